@@ -1,0 +1,289 @@
+"""Kimi K2.6 (DeepSeek-V3 architecture) text-decoder configuration."""
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+  """A configuration value is missing, inconsistent or unsupported."""
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+  """YaRN magnitude correction m(f, a) = 0.1 * a * ln(f) + 1 (1 for f <= 1)."""
+  if factor <= 1.0:
+    return 1.0
+  return 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiConfig:
+  """Every dimension and constant of the Kimi K2.6 text decoder (DESIGN §2).
+
+  Names follow HF's ``config.json`` where one exists.
+  """
+
+  vocab_size: int = 163840
+  hidden_size: int = 7168
+  num_hidden_layers: int = 61
+  first_k_dense_replace: int = 1  # layers [0, k) use the dense MLP, the rest MoE
+  intermediate_size: int = 18432  # dense MLP width
+  moe_intermediate_size: int = 2048  # routed (and shared) expert width
+  n_routed_experts: int = 384
+  num_experts_per_tok: int = 8
+  n_shared_experts: int = 1
+  routed_scaling_factor: float = 2.827
+  norm_topk_prob: bool = True
+  n_group: int = 1
+  topk_group: int = 1
+  num_attention_heads: int = 64
+  q_lora_rank: int = 1536
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  rope_theta: float = 50000.0
+  # YaRN (rope_scaling). factor 1 disables it.
+  rope_factor: float = 64.0
+  rope_original_max_position_embeddings: int = 4096
+  rope_beta_fast: float = 1.0
+  rope_beta_slow: float = 1.0
+  rope_mscale: float = 1.0
+  rope_mscale_all_dim: float = 1.0
+  max_position_embeddings: int = 262144
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+  # Numerics: parameters are stored in param_dtype, matmuls run in dtype; norms, router and
+  # softmax always run in float32.
+  dtype: str = "bfloat16"
+  param_dtype: str = "bfloat16"
+  # Implementations of the two hot pieces (the Pallas kernels replace them on the GPU).
+  attention_impl: str = "xla"
+  moe_impl: str = "xla"
+  # Token ids the serving stack needs (Kimi's: [BOS]=163584, [EOS]=163585, <|im_end|>=163586).
+  bos_token_id: int = 163584
+  eos_token_id: int = 163585
+
+  def __post_init__(self):
+    self.validate()
+
+  # ---- derived quantities -------------------------------------------------------------
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def latent_dim(self) -> int:
+    """Width of one cached token per layer: c_kv (kv_lora_rank) + k_pe (qk_rope_head_dim)."""
+    return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_hidden_layers - self.first_k_dense_replace
+
+  @property
+  def num_dense_layers(self) -> int:
+    return self.first_k_dense_replace
+
+  @property
+  def softmax_scale(self) -> float:
+    """qk_head_dim**-0.5 times m(factor, mscale_all_dim)**2 (YaRN)."""
+    m = yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
+    return self.qk_head_dim**-0.5 * m * m
+
+  @property
+  def rope_cos_sin_scale(self) -> float:
+    """cos/sin multiplier m(factor, mscale) / m(factor, mscale_all_dim)."""
+    return yarn_mscale(self.rope_factor, self.rope_mscale) / yarn_mscale(
+        self.rope_factor, self.rope_mscale_all_dim)
+
+  # ---- validation ------------------------------------------------------------------------
+  def validate(self) -> None:
+    positive = [
+        "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+        "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+        "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+        "rope_original_max_position_embeddings",
+    ]
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"KimiConfig.{name} must be a positive int, got {value!r}")
+    if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+      raise ConfigError(
+          f"KimiConfig.first_k_dense_replace={self.first_k_dense_replace} must lie in "
+          f"[0, num_hidden_layers={self.num_hidden_layers}]")
+    if self.num_experts_per_tok > self.n_routed_experts:
+      raise ConfigError(
+          f"KimiConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+          f"n_routed_experts={self.n_routed_experts}")
+    if self.n_shared_experts < 0:
+      raise ConfigError(f"KimiConfig.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+    if self.n_group != 1 or self.topk_group != 1:
+      raise ConfigError(
+          f"KimiConfig.n_group={self.n_group}, topk_group={self.topk_group}: group-limited routing "
+          "is not supported (Kimi K2 routes over one group: n_group = topk_group = 1)")
+    if self.qk_rope_head_dim % 2:
+      raise ConfigError(
+          f"KimiConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    for name in ("rope_theta", "rope_factor", "rms_norm_eps", "routed_scaling_factor"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"KimiConfig.{name} must be > 0, got {value!r}")
+    if self.rope_factor < 1.0:
+      raise ConfigError(f"KimiConfig.rope_factor={self.rope_factor} must be >= 1 (1 disables YaRN)")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(
+            f"KimiConfig.{name}={getattr(self, name)!r}: expected float32, bfloat16 or float16")
+    if self.attention_impl not in ("xla", "pallas"):
+      raise ConfigError(f"KimiConfig.attention_impl={self.attention_impl!r}: expected 'xla' or 'pallas'")
+    if self.moe_impl not in ("xla", "pallas"):
+      raise ConfigError(f"KimiConfig.moe_impl={self.moe_impl!r}: expected 'xla' or 'pallas'")
+    for name in ("bos_token_id", "eos_token_id"):
+      value = getattr(self, name)
+      if not 0 <= value < self.vocab_size:
+        raise ConfigError(f"KimiConfig.{name}={value} outside the vocabulary [0, {self.vocab_size})")
+
+  def replace(self, **changes) -> "KimiConfig":
+    return dataclasses.replace(self, **changes)
+
+  # ---- presets ---------------------------------------------------------------------------
+  @classmethod
+  def k2_6(cls, **overrides) -> "KimiConfig":
+    """The real Kimi K2.6 text decoder (about 1.03T parameters)."""
+    return cls(**overrides)
+
+  @classmethod
+  def tiny(cls, **overrides) -> "KimiConfig":
+    """A few-layer model that runs in seconds on a CPU, exercising every code path.
+
+    YaRN is on (factor 4 over 32 original positions, so that positions past 32 interpolate,
+    with mscale != mscale_all_dim so that both YaRN scales differ from 1).
+    """
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.827,
+        num_attention_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_theta=50000.0,
+        rope_factor=4.0,
+        rope_original_max_position_embeddings=32,
+        rope_beta_fast=32.0,
+        rope_beta_slow=1.0,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=0.707,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        dtype="float32",
+        param_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+  # ---- HF config.json ---------------------------------------------------------------------
+  @classmethod
+  def from_hf(cls, config: Mapping[str, Any], **overrides) -> "KimiConfig":
+    """Reads an HF ``config.json`` dict: plain DeepseekV3/Kimi, or K2.5/K2.6's ``text_config``."""
+    if not isinstance(config, Mapping):
+      raise ConfigError(f"from_hf expects a config.json dict, got {type(config).__name__}")
+    if "text_config" in config:
+      config = config["text_config"]
+      if not isinstance(config, Mapping):
+        raise ConfigError("config.json's text_config is not a dict")
+    required = [
+        "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+        "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+        "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim",
+    ]
+    missing = [k for k in required if config.get(k) is None]
+    if missing:
+      raise ConfigError(f"config.json lacks {', '.join(missing)} (not a DeepSeek-V3/Kimi config?)")
+    fields = {k: config[k] for k in required}
+    optional = {
+        "first_k_dense_replace": "first_k_dense_replace",
+        "n_shared_experts": "n_shared_experts",
+        "routed_scaling_factor": "routed_scaling_factor",
+        "norm_topk_prob": "norm_topk_prob",
+        "n_group": "n_group",
+        "topk_group": "topk_group",
+        "rope_theta": "rope_theta",
+        "max_position_embeddings": "max_position_embeddings",
+        "rms_norm_eps": "rms_norm_eps",
+        "tie_word_embeddings": "tie_word_embeddings",
+        "bos_token_id": "bos_token_id",
+        "eos_token_id": "eos_token_id",
+    }
+    for hf_name, name in optional.items():
+      if config.get(hf_name) is not None:
+        fields[name] = config[hf_name]
+    if isinstance(fields.get("eos_token_id"), list):
+      fields["eos_token_id"] = fields["eos_token_id"][0]
+    scoring = config.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+      raise ConfigError(f"config.json scoring_func={scoring!r}: only 'sigmoid' (DeepSeek-V3/Kimi) is supported")
+    topk_method = config.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+      raise ConfigError(f"config.json topk_method={topk_method!r}: only 'noaux_tc' is supported")
+    rope_scaling = config.get("rope_scaling")
+    if rope_scaling:
+      kind = rope_scaling.get("type", rope_scaling.get("rope_type"))
+      if kind != "yarn":
+        raise ConfigError(f"config.json rope_scaling type {kind!r}: only 'yarn' is supported")
+      fields.update(
+          rope_factor=float(rope_scaling["factor"]),
+          rope_original_max_position_embeddings=int(
+              rope_scaling["original_max_position_embeddings"]),
+          rope_beta_fast=float(rope_scaling.get("beta_fast", 32)),
+          rope_beta_slow=float(rope_scaling.get("beta_slow", 1)),
+          rope_mscale=float(rope_scaling.get("mscale", 1)),
+          rope_mscale_all_dim=float(rope_scaling.get("mscale_all_dim", 0)),
+      )
+    else:
+      fields.update(rope_factor=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                    rope_original_max_position_embeddings=int(
+                        config.get("max_position_embeddings", 4096)))
+    fields.update(overrides)
+    return cls(**fields)
+
+  def to_hf(self) -> dict:
+    """The HF ``config.json`` dict for this configuration (DeepseekV3 naming)."""
+    out = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "torch_dtype": self.param_dtype,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": self.rope_factor,
+            "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+            "beta_fast": self.rope_beta_fast,
+            "beta_slow": self.rope_beta_slow,
+            "mscale": self.rope_mscale,
+            "mscale_all_dim": self.rope_mscale_all_dim,
+        },
+    }
+    skip = {"dtype", "param_dtype", "attention_impl", "moe_impl"}
+    for f in dataclasses.fields(self):
+      if f.name.startswith("rope_") and f.name != "rope_theta":
+        continue
+      if f.name not in skip:
+        out[f.name] = getattr(self, f.name)
+    return out
