@@ -53,6 +53,10 @@ class KimiConfig:
   max_position_embeddings: int = 262144
   rms_norm_eps: float = 1e-5
   tie_word_embeddings: bool = False
+  # Initialisation of fresh (untrained) models: normal(initializer_range) weights and a
+  # normal(router_bias_init_std) e_score_correction_bias (0 for checkpoints, which carry it).
+  initializer_range: float = 0.02
+  router_bias_init_std: float = 0.0
   # Numerics: parameters are stored in param_dtype, matmuls run in dtype; norms, router and
   # softmax always run in float32.
   dtype: str = "bfloat16"
@@ -133,6 +137,10 @@ class KimiConfig:
         raise ConfigError(f"KimiConfig.{name} must be > 0, got {value!r}")
     if self.rope_factor < 1.0:
       raise ConfigError(f"KimiConfig.rope_factor={self.rope_factor} must be >= 1 (1 disables YaRN)")
+    for name in ("initializer_range", "router_bias_init_std"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"KimiConfig.{name} must be >= 0, got {value!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ConfigError(
@@ -188,6 +196,8 @@ class KimiConfig:
         rope_mscale_all_dim=0.707,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        router_bias_init_std=0.3,
         dtype="float32",
         param_dtype="float32",
         bos_token_id=1,
@@ -227,6 +237,7 @@ class KimiConfig:
         "max_position_embeddings": "max_position_embeddings",
         "rms_norm_eps": "rms_norm_eps",
         "tie_word_embeddings": "tie_word_embeddings",
+        "initializer_range": "initializer_range",
         "bos_token_id": "bos_token_id",
         "eos_token_id": "eos_token_id",
     }
@@ -280,7 +291,7 @@ class KimiConfig:
             "mscale_all_dim": self.rope_mscale_all_dim,
         },
     }
-    skip = {"dtype", "param_dtype", "attention_impl", "moe_impl"}
+    skip = {"dtype", "param_dtype", "attention_impl", "moe_impl", "router_bias_init_std"}
     for f in dataclasses.fields(self):
       if f.name.startswith("rope_") and f.name != "rope_theta":
         continue

@@ -1,0 +1,174 @@
+"""HF checkpoint naming for Kimi/DeepSeek-V3: our stacked NNX state <-> flat HF tensors.
+
+HF Linear weights are ``[out, in]``; ours (``nnx.Linear.kernel``) are ``[in, out]``. Routed experts
+are stacked ``[E, in, out]`` here and one tensor per expert there. Layers are stacked (dense,
+then MoE) here and numbered ``model.layers.{i}`` there.
+"""
+
+from typing import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import KimiConfig
+from models.kimi import KimiModel, RouterBias
+
+_ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_ATTN_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _layer_entries(cfg: KimiConfig, layer: int):
+  """(hf_name, path within the layer stack, transpose) for one decoder layer."""
+  p = f"model.layers.{layer}."
+  entries = [(p + "input_layernorm.weight", ("input_layernorm", "weight"), False),
+             (p + "post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), False)]
+  for name in _ATTN_LINEARS:
+    entries.append((p + f"self_attn.{name}.weight", ("self_attn", name, "kernel"), True))
+  for name in _ATTN_NORMS:
+    entries.append((p + f"self_attn.{name}.weight", ("self_attn", name, "weight"), False))
+  if layer < cfg.first_k_dense_replace:
+    for name in _MLP:
+      entries.append((p + f"mlp.{name}.weight", ("mlp", name, "kernel"), True))
+  else:
+    entries.append((p + "mlp.gate.weight", ("mlp", "gate"), True))
+    entries.append((p + "mlp.gate.e_score_correction_bias", ("mlp", "e_score_correction_bias"), False))
+    if cfg.n_shared_experts:
+      for name in _MLP:
+        entries.append((p + f"mlp.shared_experts.{name}.weight", ("mlp", "shared_experts", name, "kernel"), True))
+  return entries
+
+
+_EXPERT_STACKS = (("gate_proj", "experts_gate"), ("up_proj", "experts_up"), ("down_proj", "experts_down"))
+
+
+def _stack_of(cfg: KimiConfig, layer: int):
+  if layer < cfg.first_k_dense_replace:
+    return "dense_layers", layer
+  return "moe_layers", layer - cfg.first_k_dense_replace
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def hf_names(cfg: KimiConfig) -> list[str]:
+  """Every tensor name of a checkpoint for ``cfg`` (experts expanded), in model order."""
+  names = ["model.embed_tokens.weight"]
+  for layer in range(cfg.num_hidden_layers):
+    names += [entry[0] for entry in _layer_entries(cfg, layer)]
+    if layer >= cfg.first_k_dense_replace:
+      names += [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                for e in range(cfg.n_routed_experts) for proj, _ in _EXPERT_STACKS]
+  names.append("model.norm.weight")
+  if not cfg.tie_word_embeddings:
+    names.append("lm_head.weight")
+  return names
+
+
+def iter_hf_tensors(model: KimiModel) -> Iterator[tuple[str, np.ndarray]]:
+  """Yields (hf_name, numpy array in HF layout), one tensor at a time (bounded host memory)."""
+  cfg = model.cfg
+  state = nnx.to_pure_dict(nnx.state(model, (nnx.Param, RouterBias)))
+  yield "model.embed_tokens.weight", np.asarray(state["embed_tokens"]["embedding"])
+  for layer in range(cfg.num_hidden_layers):
+    stack, index = _stack_of(cfg, layer)
+    for name, path, transpose in _layer_entries(cfg, layer):
+      value = np.asarray(_get(state[stack], path)[index])
+      yield name, value.T if transpose else value
+    if stack == "moe_layers":
+      for proj, ours in _EXPERT_STACKS:
+        stacked = state[stack]["mlp"][ours][index]
+        for e in range(cfg.n_routed_experts):
+          yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", np.asarray(stacked[e]).T
+  yield "model.norm.weight", np.asarray(state["norm"]["weight"])
+  if not cfg.tie_word_embeddings:
+    yield "lm_head.weight", np.asarray(state["lm_head"]["kernel"]).T
+
+
+def to_hf_state_dict(model: KimiModel) -> dict[str, np.ndarray]:
+  return dict(iter_hf_tensors(model))
+
+
+def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[str, np.ndarray],
+                    *, prefix: str = "") -> KimiModel:
+  """Builds a model from HF-named tensors.
+
+  Args:
+    get: a mapping or a function from HF name to array (for example a lazy safetensors reader).
+    prefix: prepended to every name (``language_model.`` for K2.5/K2.6 multimodal checkpoints).
+  Raises:
+    KeyError naming the first missing tensor; ValueError naming a tensor of the wrong shape.
+  """
+  fetch = get.__getitem__ if isinstance(get, Mapping) else get
+  abstract = nnx.eval_shape(lambda: KimiModel(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  target = nnx.to_pure_dict(abstract_state)
+  param_dtype = jnp.dtype(cfg.param_dtype)
+
+  def read(name, shape, transpose):
+    try:
+      value = np.asarray(fetch(prefix + name))
+    except KeyError:
+      raise KeyError(f"checkpoint lacks tensor {prefix + name!r}") from None
+    value = value.T if transpose else value
+    if tuple(value.shape) != tuple(shape):
+      raise ValueError(f"tensor {prefix + name!r} has shape {value.shape[::-1] if transpose else value.shape}, "
+                       f"expected {tuple(shape)[::-1] if transpose else tuple(shape)}")
+    return value
+
+  def put(path, value):
+    parent = _get(target, path[:-1])
+    dtype = jnp.float32 if path[-1] == "e_score_correction_bias" else param_dtype
+    parent[path[-1]] = jnp.asarray(value, dtype=dtype)
+
+  emb = target["embed_tokens"]["embedding"]
+  put(("embed_tokens", "embedding"), read("model.embed_tokens.weight", emb.shape, False))
+  put(("norm", "weight"), read("model.norm.weight", target["norm"]["weight"].shape, False))
+  if not cfg.tie_word_embeddings:
+    put(("lm_head", "kernel"), read("lm_head.weight", target["lm_head"]["kernel"].shape, True))
+  for stack in ("dense_layers", "moe_layers"):
+    if target.get(stack) is None:
+      continue
+    first = 0 if stack == "dense_layers" else cfg.first_k_dense_replace
+    count = cfg.num_dense_layers if stack == "dense_layers" else cfg.num_moe_layers
+    for name, path, transpose in _layer_entries(cfg, first):
+      per_layer_shape = _get(target[stack], path).shape[1:]
+      rows = [read(name.replace(f"layers.{first}.", f"layers.{first + i}.", 1), per_layer_shape, transpose)
+              for i in range(count)]
+      put((stack,) + path, np.stack(rows))
+    if stack == "moe_layers":
+      for proj, ours in _EXPERT_STACKS:
+        per_expert_shape = target[stack]["mlp"][ours].shape[2:]
+        put((stack, "mlp", ours), np.stack([
+            np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", per_expert_shape, True)
+                      for e in range(cfg.n_routed_experts)]) for i in range(count)]))
+  state = abstract_state
+  nnx.replace_by_pure_dict(state, target)
+  return nnx.merge(graphdef, state)
+
+
+def from_hf_state_dict(cfg: KimiConfig, state_dict: Mapping[str, np.ndarray], *, prefix: str = "") -> KimiModel:
+  return load_hf_tensors(cfg, state_dict, prefix=prefix)
+
+
+def detect_prefix(names) -> str:
+  """``language_model.`` when the text model is wrapped in a multimodal checkpoint, else ``''``."""
+  names = set(names)
+  if "model.embed_tokens.weight" in names:
+    return ""
+  if "language_model.model.embed_tokens.weight" in names:
+    return "language_model."
+  raise KeyError("checkpoint has neither model.embed_tokens.weight nor "
+                 "language_model.model.embed_tokens.weight: not a Kimi/DeepSeek-V3 text model")
+
+
+def tree_equal(a: KimiModel, b: KimiModel) -> bool:
+  """Exact equality of two models' parameters (tests and round trips)."""
+  sa = jax.tree.leaves(nnx.state(a, (nnx.Param, RouterBias)))
+  sb = jax.tree.leaves(nnx.state(b, (nnx.Param, RouterBias)))
+  return len(sa) == len(sb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(sa, sb))

@@ -1,0 +1,375 @@
+"""Kimi K2.6 text decoder (DeepSeek-V3 architecture) in Flax NNX.
+
+One code path serves the real 1T configuration and the tiny test models:
+  * MLA with a latent cache: queries are absorbed into the 512-wide latent space (W_UK from
+    ``kv_b_proj``), attention runs over ``c_kv`` and ``k_pe`` alone, and the output latent goes back
+    through W_UV;
+  * dropless MoE: sigmoid router in float32, ``e_score_correction_bias`` for selection only,
+    normalised unbiased weights times the routed scale, one shared expert; tokens sorted by expert
+    and computed by ``routed_experts`` (the function a GPU kernel replaces);
+  * layers stacked (dense first, then MoE) and run with ``lax.scan``, the cache carried through.
+
+Every forward is a window forward: ``Q`` query rows at explicit positions attend to each
+request's committed prefix plus the window through a tree visibility mask (DESIGN §1.2). Plain
+decoding is ``Q = 1``; a prefill chunk is a causal window.
+"""
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import cache as cache_lib
+from models.config import KimiConfig
+from pallas_kernels import reference
+
+
+class RouterBias(nnx.Variable):
+  """``e_score_correction_bias``: updated by load balancing, never by gradients."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(cfg: KimiConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(
+      d_in, d_out, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+
+
+def yarn_inv_freq(cfg: KimiConfig):
+  """Per-pair inverse frequencies [P/2] with YaRN's ramp between interpolation and extrapolation."""
+  dim = cfg.qk_rope_head_dim
+  exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+  extrapolated = 1.0 / (cfg.rope_theta**exponents)
+  if cfg.rope_factor <= 1.0:
+    return extrapolated
+  interpolated = extrapolated / cfg.rope_factor
+
+  def correction_dim(num_rotations):
+    return (dim * math.log(cfg.rope_original_max_position_embeddings / (num_rotations * 2 * math.pi))
+            / (2 * math.log(cfg.rope_theta)))
+
+  low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+  high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+  if low == high:
+    high += 0.001  # avoid a zero-width ramp
+  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+  extrapolate = 1.0 - ramp  # 1 for high-frequency pairs, which keep their original frequency
+  return interpolated * (1.0 - extrapolate) + extrapolated * extrapolate
+
+
+def apply_rope(x, positions, cfg: KimiConfig):
+  """Rotates interleaved pairs (x[2i], x[2i+1]) by ``position * inv_freq[i]``.
+
+  Args:
+    x: [B, Q, N, P]; positions: int32[B, Q].
+  Returns:
+    Same shape and dtype; cos/sin carry YaRN's m(f, mscale) / m(f, mscale_all_dim).
+  """
+  angles = positions.astype(jnp.float32)[..., None] * yarn_inv_freq(cfg)  # [B, Q, P/2]
+  cos = (jnp.cos(angles) * cfg.rope_cos_sin_scale)[:, :, None, :]
+  sin = (jnp.sin(angles) * cfg.rope_cos_sin_scale)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  even, odd = x32[..., 0::2], x32[..., 1::2]
+  rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+  return rotated.reshape(x.shape).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """Per-call attention context shared by every layer (not a parameter)."""
+
+  positions: jax.Array  # int32[B, Q]
+  visibility: jax.Array  # bool[B, Q, Q]
+  valid: jax.Array  # bool[B, Q]
+  slots: jax.Array  # int32[B]
+  prefix_len: jax.Array  # int32[B], committed length per request
+
+
+class MLAttention(nnx.Module):
+  """Multi-head latent attention; decode/verify run the absorbed form over the latent cache."""
+
+  def __init__(self, cfg: KimiConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    n = cfg.num_attention_heads
+    self.q_a_proj = _linear(cfg, cfg.hidden_size, cfg.q_lora_rank, rngs)
+    self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, cfg.param_dtype)
+    self.q_b_proj = _linear(cfg, cfg.q_lora_rank, n * cfg.qk_head_dim, rngs)
+    self.kv_a_proj_with_mqa = _linear(cfg, cfg.hidden_size, cfg.latent_dim, rngs)
+    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, cfg.param_dtype)
+    self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs)
+    self.o_proj = _linear(cfg, n * cfg.v_head_dim, cfg.hidden_size, rngs)
+
+  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool):
+    """Attends a window over one layer's pools after writing the window's own latents.
+
+    Args:
+      x: [B, Q, H] normed hidden states.
+      c_kv_pool: [S + 1, T, R]; k_pe_pool: [S + 1, T, P] (this layer's cache).
+    Returns:
+      (out [B, Q, H], c_kv_pool, k_pe_pool) with the window rows written.
+    """
+    cfg = self.cfg
+    b, q, _ = x.shape
+    n, d_nope, d_rope, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.kv_lora_rank)
+    query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(b, q, n, cfg.qk_head_dim)
+    q_nope, q_pe = query[..., :d_nope], query[..., d_nope:]
+    q_pe = apply_rope(q_pe, window.positions, cfg)
+
+    compressed = self.kv_a_proj_with_mqa(x)  # [B, Q, R + P]
+    c_kv = self.kv_a_layernorm(compressed[..., :r])
+    k_pe = apply_rope(compressed[..., None, r:], window.positions, cfg)[:, :, 0]
+    c_kv_pool = cache_lib.write_window(c_kv_pool, window.slots, window.prefix_len, c_kv)
+    k_pe_pool = cache_lib.write_window(k_pe_pool, window.slots, window.prefix_len, k_pe)
+
+    w_kv_b = self.kv_b_proj.kernel[...].reshape(r, n, d_nope + cfg.v_head_dim)
+    w_uk, w_uv = w_kv_b[..., :d_nope], w_kv_b[..., d_nope:]
+    q_latent = jnp.einsum('bqnd,rnd->bqnr', q_nope, w_uk.astype(q_nope.dtype))
+    attend = _attention_impl(cfg)
+    out_latent = attend(q_latent, q_pe, c_kv_pool, k_pe_pool, window.slots, window.prefix_len,
+                        window.visibility, window.valid, scale=cfg.softmax_scale)
+    out = jnp.einsum('bqnr,rnv->bqnv', out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+    return self.o_proj(out.reshape(b, q, n * cfg.v_head_dim)), c_kv_pool, k_pe_pool
+
+
+def _attention_impl(cfg: KimiConfig):
+  if cfg.attention_impl == "pallas":
+    from pallas_kernels import tree_attention  # pylint: disable=import-outside-toplevel
+    return tree_attention.mla_tree_attention
+  return reference.mla_tree_attention
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: KimiConfig, width: int, rngs: nnx.Rngs):
+    self.gate_proj = _linear(cfg, cfg.hidden_size, width, rngs)
+    self.up_proj = _linear(cfg, cfg.hidden_size, width, rngs)
+    self.down_proj = _linear(cfg, width, cfg.hidden_size, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def routed_experts(x_sorted, group_sizes, w_gate, w_up, w_down):
+  """SwiGLU of every routed row through its expert; rows are sorted by expert.
+
+  This is the one function a GPU grouped-matmul kernel replaces. ``ragged_dot`` is correct on
+  every platform; rows past ``sum(group_sizes)`` (padding) come out as zeros.
+
+  Args:
+    x_sorted: [A, H] token rows, grouped by expert in expert order.
+    group_sizes: int32[E] rows per expert.
+    w_gate, w_up: [E, H, I]; w_down: [E, I, H].
+  Returns:
+    [A, H].
+  """
+  gate = jax.lax.ragged_dot(x_sorted, w_gate.astype(x_sorted.dtype), group_sizes)
+  up = jax.lax.ragged_dot(x_sorted, w_up.astype(x_sorted.dtype), group_sizes)
+  hidden = jax.nn.silu(gate) * up
+  return jax.lax.ragged_dot(hidden, w_down.astype(x_sorted.dtype), group_sizes)
+
+
+def route(router_logits, bias, valid, cfg: KimiConfig):
+  """DeepSeek-V3 noaux_tc routing for one group.
+
+  Args:
+    router_logits: float32[M, E]; bias: float32[E]; valid: bool[M].
+  Returns:
+    (expert_ids int32[M, K] with E for padded rows, weights float32[M, K]).
+  """
+  scores = jax.nn.sigmoid(router_logits)
+  _, expert_ids = jax.lax.top_k(scores + bias[None, :], cfg.num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+  if cfg.norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  weights = weights * cfg.routed_scaling_factor
+  expert_ids = jnp.where(valid[:, None], expert_ids, cfg.n_routed_experts)
+  return expert_ids.astype(jnp.int32), weights
+
+
+class MoE(nnx.Module):
+  """Dropless routed experts plus shared expert."""
+
+  def __init__(self, cfg: KimiConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    init = nnx.initializers.normal(cfg.initializer_range)
+    self.gate = nnx.Param(init(rngs.params(), (h, e), cfg.param_dtype))  # router kernel [H, E]
+    self.e_score_correction_bias = RouterBias(
+        cfg.router_bias_init_std * jax.random.normal(rngs.params(), (e,), jnp.float32))
+    self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
+    self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
+    self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), cfg.param_dtype))
+    self.shared_experts = (MLP(cfg, i * cfg.n_shared_experts, rngs)
+                           if cfg.n_shared_experts else None)
+
+  def __call__(self, x, valid):
+    """x: [B, Q, H]; valid: bool[B, Q]. Returns (out [B, Q, H], expert load int32[E])."""
+    cfg = self.cfg
+    b, q, h = x.shape
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    tokens = x.reshape(b * q, h)
+    logits = tokens.astype(jnp.float32) @ self.gate[...].astype(jnp.float32)
+    expert_ids, weights = route(logits, self.e_score_correction_bias[...].astype(jnp.float32),
+                                valid.reshape(-1), cfg)
+    flat_ids = expert_ids.reshape(-1)  # [M * K]; padded rows carry e and sort last
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of_row = order // k
+    group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
+    y = routed_experts(tokens[token_of_row], group_sizes, self.experts_gate[...],
+                       self.experts_up[...], self.experts_down[...])
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((b * q, h), jnp.float32).at[token_of_row].add(y)
+    if self.shared_experts is not None:
+      out = out + self.shared_experts(tokens).astype(jnp.float32)
+    return out.astype(x.dtype).reshape(b, q, h), group_sizes
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: KimiConfig, moe: bool, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+    self.self_attn = MLAttention(cfg, rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
+
+  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool):
+    attn, c_kv_pool, k_pe_pool = self.self_attn(self.input_layernorm(x), window, c_kv_pool, k_pe_pool)
+    x = x + attn
+    normed = self.post_attention_layernorm(x)
+    if isinstance(self.mlp, MoE):
+      mlp, load = self.mlp(normed, window.valid)
+    else:
+      mlp, load = self.mlp(normed), None
+    return x + mlp, c_kv_pool, k_pe_pool, load
+
+
+def _layer_stack(cfg: KimiConfig, count: int, moe: bool, rngs: nnx.Rngs):
+  if count == 0:
+    return None
+
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(layer_rngs):
+    return DecoderLayer(cfg, moe, layer_rngs)
+
+  return make(rngs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+  logits: jax.Array  # float32[B, R, V] for the requested rows
+  features: jax.Array  # [B, Q, K, H]: outputs of the requested decoder layers
+  expert_load: jax.Array  # int32[num_moe_layers, E]: routed rows per expert (real rows only)
+
+
+class KimiModel(nnx.Module):
+  """The decoder: embedding, ``first_k_dense_replace`` dense layers, MoE layers, norm, LM head."""
+
+  def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = nnx.initializers.normal(cfg.initializer_range)
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, embedding_init=init, rngs=rngs)
+    self.dense_layers = _layer_stack(cfg, cfg.num_dense_layers, False, rngs)
+    self.moe_layers = _layer_stack(cfg, cfg.num_moe_layers, True, rngs)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+    self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs)
+
+  def head(self, hidden):
+    """Final norm + LM head: [..., H] -> float32 logits [..., V]."""
+    normed = self.norm(hidden)
+    if self.lm_head is None:
+      return self.embed_tokens.attend(normed).astype(jnp.float32)
+    return self.lm_head(normed).astype(jnp.float32)
+
+  def __call__(self, tokens, window: Window, cache: cache_lib.KVCache,
+               feature_layers: Sequence[int] = (), logits_rows=None):
+    """One window forward.
+
+    Args:
+      tokens: int32[B, Q].
+      window: positions, visibility, valid, slots, prefix_len (see ``Window``).
+      cache: the pool; the window's latents are written at ``prefix_len ..`` of each slot.
+      feature_layers: static 0-based layer ids whose outputs to return (id l = output of
+        decoder layer l, i.e. HF's ``hidden_states[l + 1]``).
+      logits_rows: optional int32[B, R] rows for which to compute logits (default: all Q).
+    Returns:
+      (ForwardOutput, cache).
+    """
+    cfg = self.cfg
+    x = self.embed_tokens(tokens)
+    b, q, h = x.shape
+    num_features = len(feature_layers)
+    # Slot K of `features` is a sink for layers nobody asked for, so the scan body stays branch-free.
+    feature_slot = [num_features] * cfg.num_hidden_layers
+    for k, layer_id in enumerate(feature_layers):
+      feature_slot[layer_id] = k
+    feature_slot = jnp.asarray(feature_slot, jnp.int32)
+    features = jnp.zeros((num_features + 1, b, q, h), x.dtype)
+    carry = (x, cache.c_kv, cache.k_pe, features)
+    loads = []
+    for stack, first in ((self.dense_layers, 0), (self.moe_layers, cfg.num_dense_layers)):
+      if stack is None:
+        continue
+      graphdef, state = nnx.split(stack)
+      count = jax.tree.leaves(state)[0].shape[0]
+
+      def body(carry, xs, graphdef=graphdef):
+        layer_state, layer_id = xs
+        x, c_kv, k_pe, features = carry
+        layer = nnx.merge(graphdef, layer_state)
+        x, c_kv_layer, k_pe_layer, load = layer(x, window, c_kv[layer_id], k_pe[layer_id])
+        c_kv = c_kv.at[layer_id].set(c_kv_layer)
+        k_pe = k_pe.at[layer_id].set(k_pe_layer)
+        features = features.at[feature_slot[layer_id]].set(x)
+        return (x, c_kv, k_pe, features), load
+
+      layer_ids = jnp.arange(first, first + count, dtype=jnp.int32)
+      carry, load = jax.lax.scan(body, carry, (state, layer_ids))
+      if load is not None:
+        loads.append(load)
+    x, c_kv, k_pe, features = carry
+    if logits_rows is not None:
+      x = jnp.take_along_axis(x, logits_rows[:, :, None], axis=1)
+    logits = self.head(x)
+    expert_load = (loads[0] if loads else
+                   jnp.zeros((0, cfg.n_routed_experts), jnp.int32))
+    out = ForwardOutput(logits=logits, features=jnp.moveaxis(features[:num_features], 0, 2),
+                        expert_load=expert_load)
+    return out, dataclasses.replace(cache, c_kv=c_kv, k_pe=k_pe)
+
+
+def init_model(cfg: KimiConfig, seed: int = 0) -> KimiModel:
+  return KimiModel(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: KimiConfig) -> KimiModel:
+  """The model's shapes and dtypes, with no allocation (``jax.eval_shape`` underneath)."""
+  return nnx.eval_shape(lambda: KimiModel(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_count(model: KimiModel) -> int:
+  """Parameters, ``e_score_correction_bias`` included (it is a checkpoint tensor)."""
+  state = nnx.state(model, (nnx.Param, RouterBias))
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))

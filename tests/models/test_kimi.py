@@ -1,0 +1,305 @@
+"""The Kimi target model against an independent float64 numpy forward, and its window semantics.
+
+All tests run the tiny config in float32 on the CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cache as cache_lib
+from models import forward as fwd
+from models import hf_io, kimi
+from models.config import ConfigError, KimiConfig
+from tests.models import numpy_kimi
+
+CFG = KimiConfig.tiny()
+MAX_LEN = 128
+# float32 model vs float64 reference: observed about 2e-6 absolute on logits of magnitude ~3.
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+  return kimi.init_model(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def state_dict(model):
+  return hf_io.to_hf_state_dict(model)
+
+
+def new_cache(num_slots=3):
+  return cache_lib.init_cache(CFG, num_slots, MAX_LEN)
+
+
+_verify = jax.jit(fwd.verify, static_argnames=("feature_layers",))
+_commit = jax.jit(fwd.commit)
+
+
+def prefill_all(model, prompts, slots, cache, chunk_size=16):
+  _, logits, features, cache = fwd.prefill(model, prompts, slots, cache, chunk_size=chunk_size,
+                                           all_logits=True, feature_layers=(0, 1, 2))
+  return np.asarray(logits), np.asarray(features), cache
+
+
+def sequential_logits(model, tokens):
+  """Logits after each token, decoding one token per step."""
+  cache = new_cache(1)
+  step = jax.jit(fwd.decode_step)
+  out = []
+  for t in tokens:
+    logits, _, cache = step(model, jnp.asarray([t], jnp.int32), jnp.asarray([0], jnp.int32), cache)
+    out.append(np.asarray(logits[0]))
+  return np.stack(out)
+
+
+def random_tree(rng, q_len, num_real):
+  """Random parents (parents before children) for the first num_real rows; the rest padding."""
+  parents = np.full(q_len, -1)
+  for i in range(1, num_real):
+    parents[i] = rng.integers(0, i)
+  depth = np.zeros(q_len, np.int64)
+  vis = np.eye(q_len, dtype=bool)
+  for i in range(1, num_real):
+    depth[i] = depth[parents[i]] + 1
+    vis[i] = vis[parents[i]]
+    vis[i, i] = True
+  return parents, depth, vis
+
+
+def path_to(parents, node):
+  path = [node]
+  while parents[path[-1]] >= 0:
+    path.append(parents[path[-1]])
+  return path[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+def test_tiny_exercises_yarn_and_router_bias(model):
+  assert CFG.rope_factor > 1 and CFG.rope_cos_sin_scale != 1.0
+  bias = np.asarray(model.moe_layers.mlp.e_score_correction_bias[...])
+  assert np.abs(bias).min() > 0
+
+
+def test_prefill_matches_independent_float64_reference(model, state_dict):
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, CFG.vocab_size, 70)  # positions past 32 exercise YaRN's interpolation
+  ref, hidden = numpy_kimi.forward(state_dict, CFG, tokens, return_hidden=True)
+  logits, features, _ = prefill_all(model, [tokens], [0], new_cache(1), chunk_size=32)
+  np.testing.assert_allclose(logits[0, :70], ref, atol=ATOL, rtol=0)
+  for layer in range(CFG.num_hidden_layers):  # feature l is the output of decoder layer l
+    np.testing.assert_allclose(features[0, :70, layer], hidden[layer], atol=ATOL, rtol=0)
+  # Expert load counts only real rows (the last chunk is padded) and matches the reference.
+  cache = new_cache(1)
+  out, _ = fwd.prefill_chunk(model, jnp.asarray(np.pad(tokens, (0, 10))[None], jnp.int32),
+                             jnp.asarray([70]), jnp.asarray([0]), cache)
+  np.testing.assert_array_equal(np.asarray(out.expert_load), numpy_kimi.expert_load(state_dict, CFG, tokens))
+
+
+def test_prefill_equals_token_by_token_decoding_and_any_chunk_size(model):
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, CFG.vocab_size, 37)
+  seq = sequential_logits(model, tokens)
+  for chunk in (5, 16, 64):
+    logits, _, _ = prefill_all(model, [tokens], [0], new_cache(1), chunk_size=chunk)
+    np.testing.assert_allclose(logits[0, :37], seq, atol=1e-4, rtol=0)
+
+
+def test_prefill_batch_of_different_lengths_and_slots(model):
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, CFG.vocab_size, n) for n in (3, 29, 17)]
+  last, logits, _, cache = fwd.prefill(model, prompts, [2, 0, 1], new_cache(3), chunk_size=8, all_logits=True)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [29, 17, 3, 0])
+  for i, prompt in enumerate(prompts):
+    alone, _, _ = prefill_all(model, [prompt], [0], new_cache(1), chunk_size=8)
+    np.testing.assert_allclose(np.asarray(logits)[i, :len(prompt)], alone[0, :len(prompt)], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last)[i], alone[0, len(prompt) - 1], atol=1e-5)
+
+
+def test_verify_chain_equals_sequential_decoding(model):
+  rng = np.random.default_rng(3)
+  prefix = rng.integers(0, CFG.vocab_size, 20)
+  chain = rng.integers(0, CFG.vocab_size, 9)
+  _, _, cache = prefill_all(model, [prefix], [0], new_cache(1))
+  q = len(chain)
+  logits, _, _, _ = _verify(model, jnp.asarray(chain[None], jnp.int32), jnp.asarray(20 + np.arange(q))[None],
+                            jnp.asarray(np.tril(np.ones((q, q), bool))[None]), jnp.ones((1, q), bool),
+                            jnp.asarray([0]), cache)
+  seq = sequential_logits(model, np.concatenate([prefix, chain]))
+  np.testing.assert_allclose(np.asarray(logits[0]), seq[20:], atol=1e-4, rtol=0)
+
+
+def test_verify_branched_tree_each_node_equals_its_path(model, state_dict):
+  rng = np.random.default_rng(4)
+  prefix = rng.integers(0, CFG.vocab_size, 40)
+  q = 17
+  parents, depth, vis = random_tree(rng, q, q)
+  tokens = rng.integers(0, CFG.vocab_size, q)
+  _, _, cache = prefill_all(model, [prefix], [0], new_cache(1))
+  logits, _, _, _ = _verify(model, jnp.asarray(tokens[None], jnp.int32), jnp.asarray(40 + depth[None], jnp.int32),
+                            jnp.asarray(vis[None]), jnp.ones((1, q), bool), jnp.asarray([0]), cache)
+  for node in range(q):
+    path = np.concatenate([prefix, tokens[path_to(parents, node)]])
+    ref = numpy_kimi.forward(state_dict, CFG, path)[-1]
+    np.testing.assert_allclose(np.asarray(logits[0, node]), ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padding_fuzz_real_rows_unchanged_no_nan_no_expert_load(model, seed):
+  rng = np.random.default_rng(100 + seed)
+  q = 16
+  b = 2
+  prefixes = [rng.integers(0, CFG.vocab_size, n) for n in rng.integers(5, 40, b)]
+  _, _, cache = prefill_all(model, prefixes, [0, 1], new_cache(2))
+  num_real = rng.integers(1, q, b)
+  tokens, positions, vis, valid = [], [], [], []
+  for i in range(b):
+    parents, depth, v = random_tree(rng, q, num_real[i])
+    tok = rng.integers(0, CFG.vocab_size, q)
+    pos = len(prefixes[i]) + depth
+    pad = np.arange(q) >= num_real[i]
+    tok[pad] = 0  # token 0 is a real id: padding is known only from `valid`
+    pos[pad] = rng.integers(0, 10_000, pad.sum())  # garbage positions in padded rows
+    v[pad] = rng.random((pad.sum(), q)) < 0.5  # garbage visibility in padded rows ...
+    v[:, pad] |= rng.random((q, pad.sum())) < 0.5  # ... and padded columns marked visible
+    tokens.append(tok), positions.append(pos), vis.append(v), valid.append(~pad)
+  args = [jnp.asarray(np.stack(x)) for x in (tokens, positions, vis, valid)]
+  args[0] = args[0].astype(jnp.int32)
+  args[1] = args[1].astype(jnp.int32)
+  logits, _, _, load = _verify(model, *args, jnp.asarray([0, 1]), cache)
+  logits = np.asarray(logits)
+  assert np.isfinite(logits).all()
+  total_load = np.zeros_like(np.asarray(load))
+  for i in range(b):
+    n = num_real[i]
+    # The same tree without padding, alone in its batch.
+    sub = [jnp.asarray(x[i][None, :n]) for x in (tokens, positions, valid)]
+    sub_vis = jnp.asarray(vis[i][None, :n, :n])
+    ref, _, _, ref_load = _verify(model, sub[0].astype(jnp.int32), sub[1].astype(jnp.int32), sub_vis, sub[2],
+                                  jnp.asarray([i]), cache)
+    np.testing.assert_allclose(logits[i, :n], np.asarray(ref[0]), atol=1e-5, rtol=0)
+    total_load += np.asarray(ref_load)
+  np.testing.assert_array_equal(np.asarray(load), total_load)
+
+
+def test_commit_then_continue_equals_sequential_and_slots_are_isolated(model):
+  rng = np.random.default_rng(5)
+  prefixes = [rng.integers(0, CFG.vocab_size, n) for n in (12, 25)]
+  _, _, cache = prefill_all(model, prefixes, [0, 1], new_cache(2))
+  q = 9
+  trees = [random_tree(rng, q, q) for _ in range(2)]
+  tokens = rng.integers(0, CFG.vocab_size, (2, q))
+  positions = np.stack([len(p) + t[1] for p, t in zip(prefixes, trees)])
+  vis = np.stack([t[2] for t in trees])
+  _, _, cache, _ = _verify(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                           jnp.asarray(vis), jnp.ones((2, q), bool), jnp.asarray([0, 1]), cache)
+  # Accept the path to the deepest node in each tree.
+  paths = [path_to(t[0], int(np.argmax(t[1]))) for t in trees]
+  accepted = np.zeros((2, q), np.int32)
+  for i, path in enumerate(paths):
+    accepted[i, :len(path)] = path
+  cache = _commit(cache, jnp.asarray([0, 1]), jnp.asarray(accepted), jnp.asarray([len(p) for p in paths]))
+  np.testing.assert_array_equal(np.asarray(cache.lengths)[:2], [len(p) + len(a) for p, a in zip(prefixes, paths)])
+  # Continue decoding both requests, batched, then compare each with plain sequential decoding.
+  cont = rng.integers(0, CFG.vocab_size, (2, 4))
+  step = jax.jit(fwd.decode_step)
+  got = []
+  for t in range(4):
+    logits, _, cache = step(model, jnp.asarray(cont[:, t], jnp.int32), jnp.asarray([0, 1]), cache)
+    got.append(np.asarray(logits))
+  got = np.stack(got, axis=1)
+  for i in range(2):
+    full = np.concatenate([prefixes[i], tokens[i][paths[i]], cont[i]])
+    seq = sequential_logits(model, full)
+    np.testing.assert_allclose(got[i], seq[-4:], atol=1e-4, rtol=0)
+
+
+def test_jit_and_disable_jit_agree(model):
+  rng = np.random.default_rng(6)
+  prompt = rng.integers(0, CFG.vocab_size, 11)
+  q = 5
+  parents, depth, vis = random_tree(rng, q, 4)
+  tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (1, q)), jnp.int32)
+  args = (tokens, jnp.asarray(11 + depth[None], jnp.int32), jnp.asarray(vis[None]),
+          jnp.asarray(np.arange(q)[None] < 4), jnp.asarray([0]))
+
+  def run(jit):
+    _, _, _, cache = fwd.prefill(model, [prompt], [0], new_cache(1), chunk_size=8, jit=jit)
+    call = _verify if jit else fwd.verify
+    logits, _, cache, _ = call(model, *args, cache)
+    return np.asarray(logits), np.asarray(cache.c_kv)
+
+  jit_logits, jit_cache = run(True)
+  with jax.disable_jit():
+    eager_logits, eager_cache = run(False)
+  np.testing.assert_allclose(jit_logits, eager_logits, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(jit_cache, eager_cache, atol=1e-5, rtol=0)
+
+
+def test_k2_6_parameter_count_without_allocation():
+  abstract = kimi.abstract_model(KimiConfig.k2_6())
+  leaf = abstract.moe_layers.mlp.experts_gate.get_value()
+  assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.shape == (60, 384, 7168, 2048)
+  # Untied embeddings, no MTP layer; e_score_correction_bias (60 x 384) included.
+  assert kimi.param_count(abstract) == 1_026_408_232_448
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_bad_inputs_raise_before_compute(model):
+  cache = new_cache(2)
+  pool = cache_lib.SlotPool(2, MAX_LEN)
+  slot = pool.allocate()
+  ok = dict(tree_tokens=jnp.zeros((1, 4), jnp.int32), positions=jnp.zeros((1, 4), jnp.int32),
+            visibility=jnp.ones((1, 4, 4), bool), valid=jnp.ones((1, 4), bool), slots=jnp.asarray([slot]))
+  with pytest.raises(ValueError, match="visibility has shape"):
+    fwd.verify(model, **{**ok, "visibility": jnp.ones((1, 4, 3), bool)}, cache=cache)
+  with pytest.raises(ValueError, match="valid must be bool"):
+    fwd.verify(model, **{**ok, "valid": jnp.ones((1, 4), jnp.int32)}, cache=cache)
+  with pytest.raises(ValueError, match="unknown slot 7"):
+    fwd.verify(model, **{**ok, "slots": jnp.asarray([7])}, cache=cache)
+  with pytest.raises(cache_lib.CacheError, match="slot 1 is not allocated"):
+    fwd.verify(model, **{**ok, "slots": jnp.asarray([1])}, cache=cache, pool=pool)
+  pool.record_commit([slot], [MAX_LEN - 2])
+  with pytest.raises(cache_lib.CacheError, match="does not fit slot 0: 126 committed \\+ 4 > max_len 128"):
+    fwd.verify(model, **ok, cache=cache, pool=pool)
+  with pytest.raises(ValueError, match="feature layer 3 outside"):
+    fwd.verify(model, **ok, cache=cache, feature_layers=(3,))
+  with pytest.raises(ValueError, match="empty prompt"):
+    fwd.prefill(model, [[1, 2], []], [0, 1], cache)
+  with pytest.raises(ValueError, match="outside \\[0, 256\\)"):
+    fwd.prefill(model, [[1, 256]], [0], cache)
+  pool2 = cache_lib.SlotPool(2, 16)
+  s = pool2.allocate()
+  with pytest.raises(cache_lib.CacheError, match="prompt 0 of 20 tokens does not fit slot 0"):
+    fwd.prefill(model, [list(range(20))], [s], cache, pool=pool2)
+  with pytest.raises(cache_lib.CacheError, match="no free cache slot"):
+    pool2.allocate(), pool2.allocate()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds n_routed_experts=8"),
+    (dict(qk_rope_head_dim=7), "must be even"),
+    (dict(hidden_size=0), "hidden_size must be a positive int"),
+    (dict(rope_factor=0.5), "rope_factor"),
+    (dict(attention_impl="cuda"), "attention_impl"),
+    (dict(n_group=8, topk_group=4), "group-limited routing"),
+    (dict(first_k_dense_replace=4), "first_k_dense_replace=4"),
+    (dict(eos_token_id=999), "eos_token_id=999 outside"),
+])
+def test_invalid_config_is_named(change, message):
+  with pytest.raises(ConfigError, match=message):
+    KimiConfig.tiny(**change)
+
+
+def test_config_from_hf_plain_and_multimodal():
+  real = KimiConfig.k2_6()
+  hf = real.to_hf()
+  assert KimiConfig.from_hf(hf, dtype=real.dtype, param_dtype=real.param_dtype) == real
+  wrapped = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": hf, "vision_config": {}}
+  assert KimiConfig.from_hf(wrapped) == KimiConfig.from_hf(hf)
+  with pytest.raises(ConfigError, match="lacks"):
+    KimiConfig.from_hf({"hidden_size": 8})
+  with pytest.raises(ConfigError, match="only 'yarn'"):
+    KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
