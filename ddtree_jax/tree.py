@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def window_mask(visibility, valid):
@@ -57,3 +58,153 @@ class Tree:
   @property
   def q_len(self) -> int:
     return self.tokens.shape[1]
+
+
+def visibility_from_parents(parents, valid):
+  """Ancestor-or-self relation of flattened trees.
+
+  Args:
+    parents: int32[B, Q], parent node index, -1 for the root and for padded rows.
+    valid: bool[B, Q], real nodes; padded rows see only themselves whatever their parent says.
+  Returns:
+    bool[B, Q, Q]: ``[b, i, j]`` is True iff node j is node i or one of its ancestors.
+  """
+  q_len = parents.shape[-1]
+  parents = jnp.where(valid, parents, -1)
+  eye = jnp.eye(q_len, dtype=bool)
+  # reach[i, j]: j is within distance 1 above i; squaring doubles the distance covered, so
+  # ceil(log2(Q - 1)) squarings reach every ancestor with static shapes and no per-node loop.
+  reach = eye[None] | (parents[:, :, None] == jnp.arange(q_len)[None, None, :])
+  for _ in range(max(q_len - 2, 0).bit_length()):
+    r = reach.astype(jnp.float32)
+    # Counts stay below Q, exact in float32 whatever the matmul precision.
+    reach = jnp.einsum("bij,bjk->bik", r, r, precision=jax.lax.Precision.HIGHEST) > 0
+  return reach
+
+
+def depth_from_parents(parents, valid):
+  """Depth of every node (number of strict ancestors).
+
+  Args:
+    parents: int32[B, Q]; valid: bool[B, Q] (as in ``visibility_from_parents``).
+  Returns:
+    int32[B, Q]: 0 for the root and for padded rows.
+  """
+  return depth_from_visibility(visibility_from_parents(parents, valid))
+
+
+def depth_from_visibility(visibility):
+  """int32[B, Q] depth from a bool[B, Q, Q] ancestor-or-self relation."""
+  return jnp.sum(visibility, axis=-1, dtype=jnp.int32) - 1
+
+
+def _check_parents(tokens, parents, valid, start):
+  """Host-side structural checks of ``tree_from_parents`` inputs (numpy arrays)."""
+  if tokens.ndim != 2 or parents.shape != tokens.shape or valid.shape != tokens.shape:
+    raise ValueError(
+        f"tokens, parents and valid must share one [B, Q] shape; got {tokens.shape}, "
+        f"{parents.shape}, {valid.shape}")
+  if start.shape != tokens.shape[:1]:
+    raise ValueError(f"start must be [B] = {tokens.shape[:1]}; got {start.shape}")
+  if tokens.shape[1] < 1:
+    raise ValueError("a tree needs at least the root row (Q >= 1)")
+  for b in range(tokens.shape[0]):
+    if not valid[b, 0] or parents[b, 0] != -1:
+      raise ValueError(f"row {b}: node 0 must be the valid root with parent -1")
+    children = {}
+    for i in range(1, tokens.shape[1]):
+      if not valid[b, i]:
+        continue
+      p = int(parents[b, i])
+      if not 0 <= p < i:
+        raise ValueError(
+            f"row {b}: node {i} has parent {p}; parents must come before their children")
+      if not valid[b, p]:
+        raise ValueError(f"row {b}: valid node {i} has padded parent {p} (valid not prefix-closed)")
+      siblings = children.setdefault(p, set())
+      if int(tokens[b, i]) in siblings:
+        raise ValueError(f"row {b}: node {i} repeats token {int(tokens[b, i])} among its siblings")
+      siblings.add(int(tokens[b, i]))
+
+
+def tree_from_parents(tokens, parents, valid, start):
+  """Builds a ``Tree`` from parent pointers (jit-able).
+
+  Given numpy inputs (host, e.g. a notebook) the structure is validated first: root at node 0,
+  parents before children, valid prefix-closed, sibling tokens distinct. Device arrays and tracers
+  are trusted, so a policy inside jit never syncs with the host.
+
+  Args:
+    tokens: int32[B, Q]; tokens[:, 0] is the root (previous bonus token).
+    parents: int32[B, Q], parent index (< own index), -1 for the root; ignored on padded rows.
+    valid: bool[B, Q], real nodes.
+    start: int32[B], position of the root.
+  Returns:
+    Tree with depth/positions/visibility derived; padded rows get parent -1, depth 0, position start.
+  """
+  if all(isinstance(x, np.ndarray) for x in (tokens, parents, valid, start)):
+    _check_parents(tokens, parents, valid.astype(bool), start)
+  return _build_tree(jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32),
+                     jnp.asarray(valid, bool), jnp.asarray(start, jnp.int32))
+
+
+@jax.jit
+def _build_tree(tokens, parents, valid, start):
+  # Jitted so that host callers (notebooks, tests) run one executable rather than op by op.
+  parents = jnp.where(valid, parents, -1)
+  visibility = visibility_from_parents(parents, valid)
+  depth = depth_from_visibility(visibility)
+  return Tree(tokens=tokens, parents=parents, depth=depth, positions=start[:, None] + depth,
+              visibility=visibility, valid=valid)
+
+
+def tree_from_paths(root_token, paths, start=0, q_len=None):
+  """A one-request tree (batch 1) from token paths, for tests and notebooks (host).
+
+  Args:
+    root_token: int, the root (previous bonus) token.
+    paths: sequence of token tuples, one per non-root node, in node order; every proper prefix of
+      a path must appear earlier (the root, the empty path, is implicit).
+    start: int, position of the root.
+    q_len: rows of the flattened tree (default ``len(paths) + 1``); extra rows are padding.
+  Returns:
+    Tree with B = 1.
+  """
+  paths = [tuple(int(t) for t in p) for p in paths]
+  q_len = len(paths) + 1 if q_len is None else q_len
+  if q_len < len(paths) + 1:
+    raise ValueError(f"q_len={q_len} cannot hold the root and {len(paths)} paths")
+  index = {(): 0}
+  tokens = np.zeros((1, q_len), np.int32)
+  parents = np.full((1, q_len), -1, np.int32)
+  valid = np.zeros((1, q_len), bool)
+  tokens[0, 0], valid[0, 0] = root_token, True
+  for i, path in enumerate(paths, start=1):
+    if not path:
+      raise ValueError(f"path {i - 1} is empty; the root is implicit")
+    if path in index:
+      raise ValueError(f"path {path} appears twice")
+    if path[:-1] not in index:
+      raise ValueError(f"path {path} comes before its prefix {path[:-1]}")
+    index[path] = i
+    tokens[0, i], parents[0, i], valid[0, i] = path[-1], index[path[:-1]], True
+  return tree_from_parents(tokens, parents, valid, np.array([start], np.int32))
+
+
+def tree_to_paths(tree):
+  """Token path of every valid non-root node, in node order (host).
+
+  Returns:
+    list over batch rows of lists of token tuples (root token excluded).
+  """
+  tokens, parents, valid = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.valid))
+  out = []
+  for b in range(tokens.shape[0]):
+    path_of = {0: ()}
+    rows = []
+    for i in range(1, tokens.shape[1]):
+      if valid[b, i]:
+        path_of[i] = path_of[int(parents[b, i])] + (int(tokens[b, i]),)
+        rows.append(path_of[i])
+    out.append(rows)
+  return out

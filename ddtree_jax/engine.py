@@ -1,0 +1,487 @@
+"""The speculative decoding engine: one compiled step per (batch bucket, budget).
+
+A step is one function, read top to bottom in ``speculative_step``:
+
+    draft (drafter.propose) -> tree (policy) -> verify (one target forward over the tree)
+    -> accept (walk the target's draws down the tree) -> commit (target KV and drafter context)
+
+Budget 0 is plain autoregressive decoding through the same function (a root-only tree); the
+drafter's context still advances, so budgets may change between steps without losing acceptance.
+
+Every (batch bucket, budget) pair is compiled ahead of time (``jit(...).lower(...).compile()``);
+``generate`` then never compiles. The host dispatches step k + 1 before it reads step k's tokens:
+finishing (stop tokens, token limits) is tracked on the device, so the host never waits inside a
+step, and a request that finishes mid-batch simply stops being active.
+"""
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from ddtree_jax import policies
+from ddtree_jax import tree as tree_lib
+from ddtree_jax import verify as verify_lib
+from models import cache as cache_lib
+from models import forward as fwd
+from models.kimi import KimiModel
+
+
+class EngineError(ValueError):
+  """A request or engine setting that cannot be served; the message names the argument."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Per-row state carried from step to step on the device (all ``[B]``).
+
+  Attributes:
+    root: int32, the last emitted token (at position ``cache.lengths[slot]``, not yet committed).
+    active: bool, the row holds an unfinished request.
+    remaining: int32, tokens the request may still emit.
+  """
+
+  root: jax.Array
+  active: jax.Array
+  remaining: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+  """What one step hands back to the host (all ``[B]`` unless noted).
+
+  Attributes:
+    emitted: int32[B, Q] tokens emitted this step (accepted drafts then the bonus).
+    num_emitted: int32, entries of ``emitted`` to read (0 for inactive rows).
+    num_accepted: int32, committed tree nodes (accepted draft tokens + 1; 0 when inactive).
+    tree_size: int32, real nodes in the verified tree (root included).
+    finished: bool, the request ended this step (stop token or token limit).
+    sibling_accepts: int32, accepted draft tokens that were not their position's rank-0 candidate
+      (what a tree recovers and a chain cannot).
+    experts_touched: int32 scalar, distinct (layer, expert) pairs the verify forward used.
+  """
+
+  emitted: jax.Array
+  num_emitted: jax.Array
+  num_accepted: jax.Array
+  tree_size: jax.Array
+  finished: jax.Array
+  sibling_accepts: jax.Array
+  experts_touched: jax.Array
+
+
+def _root_only_tree(root, start):
+  batch = root.shape[0]
+  zeros = jnp.zeros((batch, 1), jnp.int32)
+  return tree_lib.Tree(tokens=root[:, None].astype(jnp.int32), parents=zeros - 1, depth=zeros,
+                       positions=start[:, None].astype(jnp.int32), visibility=jnp.ones((batch, 1, 1), bool),
+                       valid=jnp.ones((batch, 1), bool))
+
+
+def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_state, decode: DecodeState,
+                     slots, sampling: verify_lib.SamplingParams, stop_tokens, stop_valid, *,
+                     drafter, policy: Callable, budget: int, top_k: int):
+  """One draft -> tree -> verify -> accept -> commit step for a batch of rows.
+
+  Args:
+    slots: int32[B] cache slots (the scratch slot for rows without a request).
+    stop_tokens: int32[B, S] with stop_valid: bool[B, S].
+  Returns:
+    (target_cache, drafter_state, decode, StepOutput).
+  """
+  start = target_cache.lengths[slots]
+  active = decode.active
+  if budget > 0:
+    ids, logprobs = drafter.propose(drafter_params, drafter_state, slots, decode.root, start, top_k)
+    max_depth = jnp.where(active, jnp.clip(decode.remaining - 1, 0, drafter.num_positions), 0)
+    tree = policy(decode.root, start, ids, logprobs, budget, max_depth)
+    rank0 = jnp.take_along_axis(ids[:, :, 0], jnp.clip(tree.depth - 1, 0, ids.shape[1] - 1), axis=1)
+    off_rank0 = (tree.depth > 0) & (tree.tokens != rank0)  # [B, Q]
+  else:
+    tree = _root_only_tree(decode.root, start)
+    off_rank0 = jnp.zeros(tree.tokens.shape, bool)
+  tree = dataclasses.replace(tree, valid=tree.valid & active[:, None])
+
+  logits, features, target_cache, expert_load = fwd.verify(
+      target, tree.tokens, tree.positions, tree.visibility, tree.valid, slots, target_cache,
+      feature_layers=drafter.feature_layers)
+  result = verify_lib.verify(logits, tree, sampling, stop_tokens, stop_valid)
+
+  num_commit = jnp.where(active, result.num_accepted, 0)
+  on_path = jnp.arange(tree.q_len)[None, :] < num_commit[:, None]
+  sibling_accepts = jnp.sum(on_path & jnp.take_along_axis(off_rank0, result.accepted_nodes, axis=1), axis=1)
+  target_cache = cache_lib.commit(target_cache, slots, result.accepted_nodes, num_commit)
+  path_tokens = jnp.take_along_axis(tree.tokens, result.accepted_nodes, axis=1)
+  path_features = jnp.take_along_axis(features, result.accepted_nodes[:, :, None, None], axis=1)
+  path_positions = start[:, None] + jnp.arange(tree.q_len, dtype=jnp.int32)[None, :]
+  drafter_state = drafter.extend(drafter_params, drafter_state, slots, path_tokens, path_positions,
+                                 path_features, num_commit)
+
+  num_emitted = jnp.where(active, jnp.minimum(result.num_emitted, decode.remaining), 0)
+  remaining = decode.remaining - num_emitted
+  finished = active & (result.hit_stop | (remaining <= 0))
+  decode = DecodeState(root=jnp.where(active, result.bonus, decode.root), active=active & ~finished,
+                       remaining=remaining)
+  out = StepOutput(emitted=result.emitted, num_emitted=num_emitted, num_accepted=num_commit,
+                   tree_size=jnp.sum(tree.valid, axis=1).astype(jnp.int32), finished=finished,
+                   sibling_accepts=sibling_accepts.astype(jnp.int32),
+                   experts_touched=jnp.sum(expert_load > 0).astype(jnp.int32))
+  return target_cache, drafter_state, decode, out
+
+
+def prefill_step(target: KimiModel, drafter_params, target_cache, drafter_state, tokens, num_valid, slots, *,
+                 drafter):
+  """One prompt chunk into the target cache and the drafter context; returns last-row logits."""
+  out, target_cache = fwd.prefill_chunk(target, tokens, num_valid, slots, target_cache,
+                                        feature_layers=drafter.feature_layers)
+  start = target_cache.lengths[slots] - num_valid
+  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  drafter_state = drafter.extend(drafter_params, drafter_state, slots, tokens, positions, out.features, num_valid)
+  return target_cache, drafter_state, out.logits[:, 0]
+
+
+def first_token(logits, position, sampling, stop_tokens, stop_valid, remaining):
+  """The target's own first token after a prompt, and whether it already ends the request."""
+  token = verify_lib.draw_tokens(logits[:, None, :], position[:, None], sampling)[:, 0]
+  is_stop = jnp.any((stop_tokens == token[:, None]) & stop_valid, axis=1)
+  active = ~is_stop & (remaining > 1)
+  return token, DecodeState(root=token, active=active, remaining=remaining - 1)
+
+
+def set_row(decode: DecodeState, row, new: DecodeState) -> DecodeState:
+  """Places a one-row DecodeState at ``row`` (int32[1]) of the batch."""
+  return jax.tree.map(lambda full, one: full.at[row].set(one), decode, new)
+
+
+@dataclasses.dataclass
+class StepStats:
+  """Per-step statistics of ``generate`` (lists hold one entry per active request).
+
+  Attributes:
+    budget: tree budget of the step.
+    accepted: accepted length (accepted drafts + 1) per request.
+    tree_size: real tree nodes (root included) per request.
+    sibling_accepts: accepted draft tokens of rank > 0 per request.
+    step_time: wall seconds between this step's results and the previous step's.
+    host_time: seconds of that the host spent dispatching and bookkeeping.
+    experts_touched: distinct (layer, expert) pairs the verify forward touched.
+  """
+
+  budget: int
+  accepted: list
+  tree_size: list
+  sibling_accepts: list
+  step_time: float
+  host_time: float
+  experts_touched: int
+
+  @property
+  def host_share(self) -> float:
+    return self.host_time / self.step_time if self.step_time > 0 else 0.0
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  tokens: list  # per prompt, the generated token ids (stop token included when hit)
+  steps: list  # StepStats
+  finish_reasons: list  # per prompt: "stop" or "length"
+  prefill_time: float
+  decode_time: float
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """tau: mean accepted length per request per step (budget-0 steps count 1)."""
+    lengths = [a for s in self.steps for a in s.accepted]
+    return float(np.mean(lengths)) if lengths else 0.0
+
+  @property
+  def host_share(self) -> float:
+    total = sum(s.step_time for s in self.steps)
+    return sum(s.host_time for s in self.steps) / total if total > 0 else 0.0
+
+
+def _sampling_rows(sampling: verify_lib.SamplingParams, rows, pad_to: int) -> verify_lib.SamplingParams:
+  """Host-side selection and zero padding of sampling rows (no device op, so nothing compiles)."""
+  def pick(a):
+    a = np.asarray(a)[rows]
+    return np.concatenate([a, np.zeros((pad_to - len(a),), a.dtype)])
+  return jax.tree.map(pick, sampling)
+
+
+class SpeculativeDecoder:
+  """Compiled speculative decoding over a target, a drafter and a tree policy.
+
+  Args:
+    target: the Kimi model (an NNX module; its parameters are passed to every compiled step).
+    drafter: a ``Drafter``; ``drafter_params`` its parameters (pytree or None).
+    policy: a registered policy name (``ddtree``, ``chain``, ``beam``, ``static``, ...) or callable;
+      ``policy_options`` are bound to it.
+    budgets: the budgets to compile (0 = autoregressive); ``generate`` may use any of them.
+    batch_buckets: batch sizes to compile; a batch runs in the smallest bucket that holds it.
+    max_len: cache columns per slot (prompt + generated + one verify window must fit).
+    num_slots: cache slots (at least the largest bucket).
+    prefill_chunk: prompt chunk size (one compiled prefill per chunk size).
+    compile_cache_dir: jax's persistent compilation cache directory (None: leave as configured).
+    max_stop_tokens: stop ids per request the compiled step accepts.
+    eager: run the step functions uncompiled (for ``jax.disable_jit()`` comparisons).
+  """
+
+  def __init__(self, target: KimiModel, drafter, drafter_params=None, *, policy="ddtree",
+               policy_options: dict | None = None, budgets: Sequence[int] = (0, 8),
+               batch_buckets: Sequence[int] = (1,), max_len: int = 1024, num_slots: int | None = None,
+               prefill_chunk: int = 64, compile_cache_dir: str | None = None, max_stop_tokens: int = 4,
+               show_progress: bool = True, eager: bool = False):
+    if compile_cache_dir:
+      jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir))
+    self.target = target
+    self.cfg = target.cfg
+    self.drafter = drafter
+    self.drafter_params = drafter_params
+    self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+    self.policy = (policies.get_policy(policy, **(policy_options or {})) if isinstance(policy, str)
+                   else policy)
+    if any(int(b) != b or b < 0 for b in budgets) or not budgets:
+      raise EngineError(f"budgets must be non-negative ints, got {list(budgets)}")
+    self.budgets = tuple(sorted(set(int(b) for b in budgets)))
+    if not batch_buckets or any(int(b) != b or b <= 0 for b in batch_buckets):
+      raise EngineError(f"batch_buckets must be positive ints, got {list(batch_buckets)}")
+    self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+    self.max_batch = self.batch_buckets[-1]
+    self.num_slots = num_slots or self.max_batch
+    if self.num_slots < self.max_batch:
+      raise EngineError(f"num_slots={self.num_slots} is smaller than the largest batch bucket {self.max_batch}")
+    self.max_q_len = max(self.budgets) + 1
+    self.max_len = max_len
+    if not 0 < prefill_chunk <= max_len:
+      raise EngineError(f"prefill_chunk={prefill_chunk} must lie in [1, max_len={max_len}]")
+    self.prefill_chunk = prefill_chunk
+    self.max_stop_tokens = max_stop_tokens
+    # Candidates per position: a budget-N policy may pick up to rank N - 1 at one position.
+    self.top_k = max(1, min(max(self.budgets), self.cfg.vocab_size))
+    self.pool = cache_lib.SlotPool(self.num_slots, max_len)
+    self.target_cache = cache_lib.init_cache(self.cfg, self.num_slots, max_len)
+    self.drafter_state = drafter.init_state(self.num_slots, max_len)
+    self.eager = eager
+    self._aux: dict[Any, Any] = {}
+    self.compile_seconds = 0.0
+    self.compile(show_progress=show_progress)
+
+  # ---- compilation -----------------------------------------------------------------------
+  def _rows(self, n, dtype):
+    return jax.ShapeDtypeStruct((n,), dtype)
+
+  def _decode_spec(self, n):
+    return DecodeState(root=self._rows(n, jnp.int32), active=self._rows(n, jnp.bool_),
+                       remaining=self._rows(n, jnp.int32))
+
+  def _sampling_spec(self, n):
+    return verify_lib.SamplingParams(temperature=self._rows(n, jnp.float32), top_k=self._rows(n, jnp.int32),
+                                     top_p=self._rows(n, jnp.float32), seed=self._rows(n, jnp.uint32))
+
+  def _build(self, key, fn, donate, *specs):
+    """Compiles ``fn`` for ``specs`` ahead of time (or keeps it uncompiled when eager)."""
+    self._aux[key] = fn if self.eager else jax.jit(fn, donate_argnums=donate).lower(*specs).compile()
+
+  def compile(self, show_progress: bool = True):
+    """Compiles every (batch bucket, budget) step and the admission pieces, ahead of time."""
+    t0 = time.perf_counter()
+    work = [(bucket, budget) for bucket in self.batch_buckets for budget in self.budgets]
+    bar = tqdm(work, desc="compiling steps", disable=not show_progress, leave=False)
+    for bucket, budget in bar:
+      bar.set_postfix(batch=bucket, budget=budget)
+      fn = functools.partial(speculative_step, drafter=self.drafter, policy=self.policy, budget=budget,
+                             top_k=self.top_k)
+      stops = jax.ShapeDtypeStruct((bucket, self.max_stop_tokens), jnp.int32)
+      self._build(("step", bucket, budget), fn, (2, 3, 4), self.target, self.drafter_params, self.target_cache,
+                  self.drafter_state, self._decode_spec(bucket), self._rows(bucket, jnp.int32),
+                  self._sampling_spec(bucket), stops, jax.ShapeDtypeStruct(stops.shape, jnp.bool_))
+    one = lambda dtype: self._rows(1, dtype)
+    self._build("prefill", functools.partial(prefill_step, drafter=self.drafter), (2, 3), self.target,
+                self.drafter_params, self.target_cache, self.drafter_state,
+                jax.ShapeDtypeStruct((1, self.prefill_chunk), jnp.int32), one(jnp.int32), one(jnp.int32))
+    stops = jax.ShapeDtypeStruct((1, self.max_stop_tokens), jnp.int32)
+    self._build("first", first_token, (), jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32),
+                one(jnp.int32), self._sampling_spec(1), stops, jax.ShapeDtypeStruct(stops.shape, jnp.bool_),
+                one(jnp.int32))
+    for bucket in self.batch_buckets:
+      self._build(("set_row", bucket), set_row, (0,), self._decode_spec(bucket), one(jnp.int32), self._decode_spec(1))
+    self._build("reset_lengths", cache_lib.reset_slots, (0,), self.target_cache, one(jnp.int32))
+    self.compile_seconds += time.perf_counter() - t0
+
+  def bucket_for(self, batch_size: int) -> int:
+    for bucket in self.batch_buckets:
+      if bucket >= batch_size:
+        return bucket
+    raise EngineError(f"batch of {batch_size} exceeds the largest compiled batch bucket {self.max_batch}")
+
+  # ---- validation --------------------------------------------------------------------------
+  def check_budget(self, budget) -> int:
+    if isinstance(budget, bool) or int(budget) != budget:
+      raise EngineError(f"budget must be an int, got {budget!r}")
+    if budget not in self.budgets:
+      if budget > max(self.budgets):
+        raise EngineError(f"budget {budget} is above the compiled maximum {max(self.budgets)} "
+                          f"(compiled budgets: {list(self.budgets)})")
+      raise EngineError(f"budget {budget} was not compiled (compiled budgets: {list(self.budgets)})")
+    return int(budget)
+
+  def _check_prompts(self, prompts, max_new_tokens):
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+      raise EngineError("prompts must be a non-empty list of token-id sequences")
+    limits = (list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts))
+    if len(limits) != len(prompts):
+      raise EngineError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+    out = []
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+      if isinstance(limit, bool) or int(limit) != limit or limit <= 0:
+        raise EngineError(f"max_new_tokens must be a positive int, got {limit!r}")
+      arr = np.asarray(prompt)
+      if arr.ndim != 1 or arr.size == 0:
+        raise EngineError(f"prompt {i} is empty (or not a flat list of token ids)")
+      if not np.issubdtype(arr.dtype, np.integer):
+        raise EngineError(f"prompt {i} must hold integer token ids, got {arr.dtype}")
+      if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
+        raise EngineError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+      need = arr.size + int(limit) + self.max_q_len
+      if need > self.max_len:
+        raise EngineError(
+            f"prompt {i} is too long for the cache: {arr.size} prompt tokens + max_new_tokens "
+            f"{int(limit)} + verify window {self.max_q_len} = {need} > max_len {self.max_len}")
+      out.append(arr.astype(np.int32))
+    return out, [int(l) for l in limits]
+
+  def _stop_arrays(self, stop_token_ids, batch):
+    stop_ids = list(stop_token_ids) if stop_token_ids is not None else [self.cfg.eos_token_id]
+    if len(stop_ids) > self.max_stop_tokens:
+      raise EngineError(f"{len(stop_ids)} stop token ids exceed max_stop_tokens={self.max_stop_tokens}")
+    for t in stop_ids:
+      if not 0 <= int(t) < self.cfg.vocab_size:
+        raise EngineError(f"stop token id {t} outside [0, {self.cfg.vocab_size})")
+    tokens = np.zeros((batch, self.max_stop_tokens), np.int32)
+    valid = np.zeros((batch, self.max_stop_tokens), bool)
+    tokens[:, :len(stop_ids)] = stop_ids
+    valid[:, :len(stop_ids)] = True
+    return tokens, valid
+
+  # ---- admission ---------------------------------------------------------------------------
+  def _admit(self, prompt: np.ndarray, row: int, decode: DecodeState, sampling_row, stop_row, stop_valid_row,
+             max_new_tokens: int):
+    """Prefills one request into a fresh slot and places it at ``row`` of the batch state."""
+    slot = self.pool.allocate()
+    slot_dev = np.asarray([slot], np.int32)
+    self.target_cache = self._aux["reset_lengths"](self.target_cache, slot_dev)
+    self.drafter_state = self.drafter.reset(self.drafter_params, self.drafter_state, slot_dev, prompt)
+    chunk = self.prefill_chunk
+    logits = None
+    for offset in range(0, len(prompt), chunk):
+      piece = prompt[offset:offset + chunk]
+      tokens = np.zeros((1, chunk), np.int32)
+      tokens[0, :len(piece)] = piece
+      self.target_cache, self.drafter_state, logits = self._aux["prefill"](
+          self.target, self.drafter_params, self.target_cache, self.drafter_state, tokens,
+          np.asarray([len(piece)], np.int32), slot_dev)
+    self.pool.record_commit([slot], [len(prompt)])
+    token, row_state = self._aux["first"](logits, np.asarray([len(prompt) - 1], np.int32), sampling_row,
+                                          stop_row, stop_valid_row, np.asarray([max_new_tokens], np.int32))
+    decode = self._aux[("set_row", decode.root.shape[0])](decode, np.asarray([row], np.int32), row_state)
+    return slot, token, decode
+
+  # ---- generation --------------------------------------------------------------------------
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens, *, budget: int | None = None,
+               budget_schedule: Callable[[int], int] | None = None, temperature=0.0, top_k=0, top_p=1.0,
+               seed=0, stop_token_ids: Sequence[int] | None = None) -> GenerateResult:
+    """Generates for a batch of prompts (sampling settings per request).
+
+    Args:
+      max_new_tokens: an int, or one per prompt.
+      budget: tree budget for every step (default: the largest compiled one).
+      budget_schedule: optional ``step_index -> budget`` (for example to switch budgets mid-run).
+      temperature, top_k, top_p, seed: scalars or one value per prompt.
+      stop_token_ids: ids that end a request (default: the model's EOS); the stop token is kept.
+    """
+    prompts, limits = self._check_prompts(prompts, max_new_tokens)
+    default_budget = self.check_budget(max(self.budgets) if budget is None else budget)
+    batch = len(prompts)
+    bucket = self.bucket_for(batch)
+    sampling = verify_lib.SamplingParams.make(batch, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, batch)
+    stop_sets = [set(stop_tokens[r][stop_valid[r]].tolist()) for r in range(batch)]
+
+    t_start = time.perf_counter()
+    decode = jax.device_put(DecodeState(root=np.zeros((bucket,), np.int32), active=np.zeros((bucket,), bool),
+                                        remaining=np.zeros((bucket,), np.int32)))
+    slots = np.full((bucket,), self.pool.scratch_slot, np.int32)
+    first_tokens = []
+    try:
+      for row, prompt in enumerate(prompts):
+        slots[row], token, decode = self._admit(
+            prompt, row, decode, _sampling_rows(sampling, [row], 1), stop_tokens[row:row + 1],
+            stop_valid[row:row + 1], limits[row])
+        first_tokens.append(token)
+      out_tokens = [[int(t[0])] for t in jax.device_get(first_tokens)]
+      prefill_time = time.perf_counter() - t_start
+      steps = self._decode_loop(decode, slots, batch, bucket, _sampling_rows(sampling, np.arange(batch), bucket),
+                                np.pad(stop_tokens, ((0, bucket - batch), (0, 0))),
+                                np.pad(stop_valid, ((0, bucket - batch), (0, 0))),
+                                default_budget, budget_schedule, out_tokens, limits, stop_sets)
+    finally:
+      for slot in slots[:batch]:
+        if slot != self.pool.scratch_slot:
+          self.pool.release(int(slot))
+    reasons = ["stop" if toks[-1] in stop_sets[r] else "length" for r, toks in enumerate(out_tokens)]
+    return GenerateResult(tokens=out_tokens, steps=steps, finish_reasons=reasons, prefill_time=prefill_time,
+                          decode_time=time.perf_counter() - t_start - prefill_time)
+
+  def _decode_loop(self, decode, slots, batch, bucket, sampling, stop_tokens, stop_valid, default_budget,
+                   budget_schedule, out_tokens, limits, stop_sets):
+    """Dispatches step k + 1 before reading step k; finishing is decided on the device."""
+    active = np.array([len(out_tokens[r]) < limits[r] and out_tokens[r][-1] not in stop_sets[r]
+                       for r in range(batch)])
+    steps: list[StepStats] = []
+    step_index = 0
+    pending = None  # (budget, StepOutput, host seconds spent dispatching it)
+    last_ready = time.perf_counter()
+    while active.any() or pending is not None:
+      dispatched = None
+      if active.any():
+        host_t0 = time.perf_counter()
+        b = self.check_budget(budget_schedule(step_index)) if budget_schedule else default_budget
+        self.target_cache, self.drafter_state, decode, out = self._aux[("step", bucket, b)](
+            self.target, self.drafter_params, self.target_cache, self.drafter_state, decode, slots,
+            sampling, stop_tokens, stop_valid)
+        dispatched = (b, out, time.perf_counter() - host_t0)
+        step_index += 1
+      if pending is not None:
+        b_prev, out_prev, host_prev = pending
+        host = jax.device_get(out_prev)
+        ready = time.perf_counter()
+        stats = StepStats(budget=b_prev, accepted=[], tree_size=[], sibling_accepts=[],
+                          step_time=ready - last_ready, host_time=host_prev,
+                          experts_touched=int(host.experts_touched))
+        last_ready = ready
+        for row in range(batch):
+          n = int(host.num_emitted[row])
+          if n == 0:
+            continue
+          out_tokens[row].extend(int(t) for t in host.emitted[row, :n])
+          stats.accepted.append(int(host.num_accepted[row]))
+          stats.tree_size.append(int(host.tree_size[row]))
+          stats.sibling_accepts.append(int(host.sibling_accepts[row]))
+          if host.finished[row]:
+            active[row] = False
+        self.pool.record_commit(slots[:batch], host.num_accepted[:batch])
+        stats.host_time += time.perf_counter() - ready
+        steps.append(stats)
+      pending = dispatched
+      if dispatched is not None and not active.any():
+        # Every request finished while this step was in flight: it emits nothing.
+        jax.block_until_ready(dispatched[1])
+        pending = None
+    return steps

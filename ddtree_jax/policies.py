@@ -1,0 +1,368 @@
+"""Tree policies: from the drafter's per-position top-k candidates to a flattened draft ``Tree``.
+
+A policy is a pure, jit-able function (``budget`` static)::
+
+  policy(root_tokens, start, ids, logprobs, budget, max_depth=None, **options) -> Tree
+
+  root_tokens: int32[B], the previous bonus token (node 0 of every tree).
+  start: int32[B], position of the root.
+  ids, logprobs: int32/float32[B, L, k]; index d holds the top-k candidates for the token at
+    ``start + d + 1`` (depth d + 1), log-probs sorted descending along k. Never the full vocabulary.
+  budget: Python int >= 0; the tree has ``Q = budget + 1`` rows, unfilled rows are padding.
+  max_depth: int32[B] or None (= L); deeper candidates are excluded before selection, so the
+    budget goes to allowed depths (end of generation, cache room).
+
+Candidates are ordered everywhere by (cumulative float32 score descending, depth ascending, rank
+path lexicographic); scores accumulate parent-first (``score_child = score_parent + lp``).
+
+Adding a policy takes a few lines, e.g. a tree of the top-2 tokens at depth 1 only::
+
+  import jax.numpy as jnp
+  from ddtree_jax import policies, tree
+
+  @policies.register_policy("fork2")
+  def fork2(root_tokens, start, ids, logprobs, budget, max_depth=None):
+    policies.check_inputs("fork2", ids, logprobs, budget, needed=min(budget, 2))
+    b, n = ids.shape[0], min(budget, 2)
+    tokens = jnp.concatenate([root_tokens[:, None], ids[:, 0, :n]], axis=1)
+    parents = jnp.array([-1] + [0] * n + [-1] * (budget - n))
+    valid = jnp.arange(budget + 1) <= n
+    tokens = jnp.pad(tokens, ((0, 0), (0, budget - n)))
+    return tree.tree_from_parents(tokens, jnp.broadcast_to(parents, (b, budget + 1)),
+                                  jnp.broadcast_to(valid, (b, budget + 1)), start)
+
+  policy = jax.jit(policies.get_policy("fork2"), static_argnames="budget")
+  draft = policy(root_tokens, start, ids, logprobs, budget=8)
+"""
+
+import functools
+import heapq
+import inspect
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import tree as tree_lib
+
+_POLICIES = {}
+# Parameters every policy takes; anything else is an option bound by ``get_policy``.
+_CALL_PARAMS = ("root_tokens", "start", "ids", "logprobs", "budget", "max_depth")
+
+
+def register_policy(name):
+  """Decorator adding a policy under ``name`` (a duplicate name is a ValueError)."""
+  def register(fn):
+    if name in _POLICIES:
+      raise ValueError(f"policy {name!r} is already registered")
+    _POLICIES[name] = fn
+    return fn
+  return register
+
+
+def available_policies():
+  """Sorted tuple of registered policy names."""
+  return tuple(sorted(_POLICIES))
+
+
+def get_policy(name, **options):
+  """The policy ``name`` with ``options`` bound (a ``functools.partial``)."""
+  if name not in _POLICIES:
+    raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(available_policies())}")
+  fn = _POLICIES[name]
+  accepted = [p for p in inspect.signature(fn).parameters if p not in _CALL_PARAMS]
+  unknown = sorted(set(options) - set(accepted))
+  if unknown:
+    raise ValueError(f"policy {name!r} got unknown options {unknown}; it accepts {accepted}")
+  return functools.partial(fn, **options)
+
+
+def check_inputs(name, ids, logprobs, budget, needed):
+  """Host-side (trace-time) checks shared by policies.
+
+  Args:
+    name: policy name, for messages.
+    ids, logprobs: [B, L, k] candidates.
+    budget: must be a Python int >= 0.
+    needed: how many ranks per position the policy may select at this budget.
+  """
+  if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+    raise ValueError(f"{name}: budget must be a static int >= 0, got {budget!r}")
+  if len(ids.shape) != 3 or tuple(logprobs.shape) != tuple(ids.shape):
+    raise ValueError(
+        f"{name}: ids and logprobs must share one [B, L, k] shape; got {ids.shape}, "
+        f"{logprobs.shape}")
+  k = ids.shape[-1]
+  if k < needed:
+    raise ValueError(
+        f"{name}: budget={budget} can select rank {needed - 1} at a position but only k={k} "
+        f"candidates were given; hand over k >= {needed}")
+
+
+def _max_depth(max_depth, batch, n_levels):
+  """int32[B] depth caps clipped to [0, L]; None means L."""
+  if max_depth is None:
+    return jnp.full((batch,), n_levels, jnp.int32)
+  return jnp.clip(jnp.asarray(max_depth, jnp.int32), 0, n_levels)
+
+
+def _assemble(root_tokens, start, tokens, parents, valid):
+  """Tree from the ``budget`` non-root rows of each request.
+
+  Args:
+    root_tokens, start: int32[B].
+    tokens, parents: int32[B, N]; parents index the full [0, N] row range (0 = root).
+    valid: bool[B, N].
+  """
+  tokens = jnp.concatenate([jnp.asarray(root_tokens, jnp.int32)[:, None],
+                            jnp.where(valid, tokens, 0)], axis=1)
+  batch = tokens.shape[0]
+  parents = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parents], axis=1)
+  valid = jnp.concatenate([jnp.ones((batch, 1), bool), valid], axis=1)
+  return tree_lib.tree_from_parents(tokens, parents, valid, jnp.asarray(start, jnp.int32))
+
+
+def _root_only(root_tokens, start, budget):
+  batch = root_tokens.shape[0]
+  zeros = jnp.zeros((batch, budget), jnp.int32)
+  return _assemble(root_tokens, start, zeros, zeros, jnp.zeros((batch, budget), bool))
+
+
+def _layered_search(logprobs, max_depth, budget, n_keep, n_child, n_pool):
+  """Static-shape layered best-first search for one request.
+
+  Every depth extends the ``n_keep`` best prefixes of the previous depth by their ``n_child`` best
+  tokens and sorts the candidates; the ``n_pool`` best of each depth then compete globally for the
+  budget. With ``n_keep = n_pool = budget`` and ``n_child = min(budget, k)`` this is exactly the
+  DDTree heap (the global top-N holds at most N nodes per depth, each extending a top-N prefix).
+
+  Args:
+    logprobs: float32[L, k], L >= 1.
+    max_depth: int32 scalar cap.
+    budget, n_keep, n_child, n_pool: static ints, n_keep <= n_pool <= budget.
+  Returns:
+    (level, rank, parents, valid), each [budget]: depth - 1, rank at that depth, parent row in
+    [0, budget] (0 = root), real node. Rows are in the total order (parents first).
+  """
+  n_levels = logprobs.shape[0]
+  width = max(n_keep, n_pool)
+  child_rank = jnp.arange(n_child, dtype=jnp.int32)
+
+  def level(carry, xs):
+    kept_score, kept_lex, kept_valid = carry
+    lp, depth = xs
+    # score_child = score_parent + lp, rounded in float32 as in the heap reference.
+    score = (kept_score[:, None] + lp[None, :n_child]).reshape(-1)
+    invalid = (~(kept_valid[:, None] & (depth <= max_depth))).astype(jnp.int32)
+    invalid = jnp.broadcast_to(invalid, (n_keep, n_child)).reshape(-1)
+    # Children of lexicographically ordered prefixes, ordered by (prefix, own rank).
+    lex = (kept_lex[:, None] * n_child + child_rank[None]).reshape(-1)
+    parent = jnp.repeat(jnp.arange(n_keep, dtype=jnp.int32), n_child)
+    rank = jnp.tile(child_rank, n_keep)
+    invalid, neg_score, lex, parent, rank = (x[:width] for x in jax.lax.sort(
+        (invalid, -score, lex, parent, rank), num_keys=3))
+    # Re-densify the lexicographic keys so the next depth's keys stay below width * n_child.
+    order = jax.lax.sort((invalid, lex, jnp.arange(width, dtype=jnp.int32)), num_keys=2)[2]
+    dense_lex = jnp.zeros(width, jnp.int32).at[order].set(jnp.arange(width, dtype=jnp.int32))
+    valid = invalid == 0
+    next_carry = (-neg_score[:n_keep], dense_lex[:n_keep], valid[:n_keep])
+    in_pool = valid & (jnp.arange(width) < n_pool)
+    return next_carry, (-neg_score, dense_lex, in_pool, parent, rank)
+
+  root = (jnp.zeros(n_keep, jnp.float32), jnp.zeros(n_keep, jnp.int32),
+          jnp.arange(n_keep) == 0)
+  depths = jnp.arange(1, n_levels + 1, dtype=jnp.int32)
+  _, (score, lex, in_pool, parent, rank) = jax.lax.scan(level, root, (logprobs, depths))
+
+  flat_level = jnp.repeat(jnp.arange(n_levels, dtype=jnp.int32), width)
+  flat = lambda x: x.reshape(-1)
+  invalid, _, _, _, index = jax.lax.sort(
+      ((~flat(in_pool)).astype(jnp.int32), -flat(score), flat_level, flat(lex),
+       jnp.arange(n_levels * width, dtype=jnp.int32)), num_keys=4)
+  n_sel = min(budget, n_levels * width)
+  index, valid = index[:n_sel], invalid[:n_sel] == 0
+  row = jnp.zeros(n_levels * width, jnp.int32).at[index].set(jnp.arange(1, n_sel + 1))
+  node_level = flat_level[index]
+  parent_flat = (node_level - 1) * width + flat(parent)[index]
+  parents = jnp.where(node_level == 0, 0, row[jnp.maximum(parent_flat, 0)])
+  pad = lambda x: jnp.pad(x, (0, budget - n_sel))
+  return (pad(node_level), pad(flat(rank)[index]), pad(parents), pad(valid))
+
+
+def _search_policy(root_tokens, start, ids, logprobs, budget, max_depth, n_keep, n_child, n_pool):
+  """Runs ``_layered_search`` over the batch and gathers tokens into a Tree."""
+  batch, n_levels, _ = ids.shape
+  if budget == 0 or n_levels == 0:
+    return _root_only(root_tokens, start, budget)
+  search = functools.partial(_layered_search, budget=budget, n_keep=n_keep, n_child=n_child,
+                             n_pool=n_pool)
+  level, rank, parents, valid = jax.vmap(search)(
+      jnp.asarray(logprobs, jnp.float32), _max_depth(max_depth, batch, n_levels))
+  tokens = jnp.asarray(ids, jnp.int32)[jnp.arange(batch)[:, None], level, rank]
+  return _assemble(root_tokens, start, tokens, parents, valid)
+
+
+@register_policy("ddtree")
+def ddtree(root_tokens, start, ids, logprobs, budget, max_depth=None):
+  """DDTree (DESIGN 1.2): the ``budget`` best prefixes by cumulative log-prob, best-first order.
+
+  Computed on device with static shapes: top-N prefixes per depth, each extended by its
+  top-min(N, k) tokens, then the global top N. Requires k >= budget. Rows come out in the heap's
+  emission order (``ddtree_heap_reference``).
+  """
+  check_inputs("ddtree", ids, logprobs, budget, needed=budget)
+  n_child = min(budget, ids.shape[-1])
+  return _search_policy(root_tokens, start, ids, logprobs, budget, max_depth,
+                        n_keep=budget, n_child=n_child, n_pool=budget)
+
+
+@register_policy("beam")
+def beam(root_tokens, start, ids, logprobs, budget, max_depth=None, width=4):
+  """EAGLE-2-style beam tree: per depth the ``width`` best nodes by cumulative score are expanded
+  by their ``width`` best tokens; all generated nodes are reranked globally to the budget (same
+  order as ``ddtree``; a parent always outranks its child, so the tree stays prefix-closed).
+  With ``width >= budget`` it equals ``ddtree``. Requires k >= min(width, budget).
+  """
+  if isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1:
+    raise ValueError(f"beam: width must be an int >= 1, got {width!r}")
+  n_keep = min(width, budget)
+  check_inputs("beam", ids, logprobs, budget, needed=n_keep)
+  return _search_policy(root_tokens, start, ids, logprobs, budget, max_depth, n_keep=n_keep,
+                        n_child=n_keep, n_pool=min(n_keep * n_keep, budget))
+
+
+@register_policy("chain")
+def chain(root_tokens, start, ids, logprobs, budget, max_depth=None):
+  """DFlash linear draft: the argmax (rank 0) path, min(budget, L, max_depth) nodes."""
+  check_inputs("chain", ids, logprobs, budget, needed=min(budget, 1))
+  batch, n_levels, _ = ids.shape
+  n = min(budget, n_levels)
+  cap = _max_depth(max_depth, batch, n_levels)
+  tokens = jnp.pad(jnp.asarray(ids, jnp.int32)[:, :n, 0], ((0, 0), (0, budget - n)))
+  node = jnp.arange(1, budget + 1, dtype=jnp.int32)
+  valid = node[None, :] <= jnp.minimum(cap, n)[:, None]
+  parents = jnp.broadcast_to(node - 1, (batch, budget))
+  return _assemble(root_tokens, start, tokens, parents, valid)
+
+
+def ddtree_heap_reference(logprobs_row, budget, max_depth=None):
+  """DESIGN 1.2 best-first heap for one request (host, numpy), the reference for ``ddtree``.
+
+  Args:
+    logprobs_row: float[L, k], sorted descending along k.
+    budget: int >= 0, nodes to emit.
+    max_depth: int or None (= L).
+  Returns:
+    list of rank-path tuples (one rank per depth) in emission order.
+  """
+  lp = np.asarray(logprobs_row, np.float32)
+  n_levels, k = lp.shape
+  cap = n_levels if max_depth is None else min(int(max_depth), n_levels)
+  heap = []
+
+  def push(parent_score, path):
+    # Parent-first float32 accumulation; float() of a float32 is exact and -0.0 == 0.0 in the
+    # comparison, as in the device sort.
+    score = np.float32(parent_score + lp[len(path) - 1, path[-1]])
+    heapq.heappush(heap, (-float(score), len(path), path, score, parent_score))
+
+  if cap >= 1 and k >= 1:
+    push(np.float32(0.0), (0,))
+  out = []
+  while heap and len(out) < budget:
+    _, depth, path, score, parent_score = heapq.heappop(heap)
+    out.append(path)
+    if path[-1] + 1 < k:
+      push(parent_score, path[:-1] + (path[-1] + 1,))
+    if depth < cap:
+      push(score, path + (0,))
+  return out
+
+
+def prior_rank_paths(num_paths=128, max_depth=15, top1=0.8):
+  """Rank paths of a fixed tree: the DDTree of a position-independent rank prior (host).
+
+  The prior says the rank-r candidate is the target's token with probability
+  ``top1 * (1 - top1) ** r`` at every depth (top-1 right ``top1`` of the time, each further rank
+  taking the same share of what is left), so a path's value is the product over its ranks, as in
+  Sequoia-style static trees. Paths come best-first (ties as in ``ddtree``): parents first, and
+  every prefix of the list is a tree.
+
+  Returns:
+    tuple of ``num_paths`` rank tuples.
+  """
+  # Ranks past 8 have prior below top1 * 0.2**8 and never make a short list of useful paths.
+  n_ranks = min(num_paths, 8)
+  log_prior = np.log(top1 * (1.0 - top1) ** np.arange(n_ranks)).astype(np.float32)
+  rows = np.broadcast_to(log_prior, (max_depth, n_ranks))
+  return tuple(ddtree_heap_reference(rows, num_paths))
+
+
+DEFAULT_RANK_PATHS = prior_rank_paths()
+
+
+def _static_plan(rank_paths, n_levels, budget):
+  """Validates ``rank_paths`` and keeps those some depth cap can select (host, static).
+
+  Returns:
+    (depth, parent, last_rank, needed): int arrays over the kept paths (parent = index of the
+    parent path, -1 for depth 1) and the number of ranks per position the plan reads.
+  """
+  index = {}
+  for i, path in enumerate(rank_paths):
+    path = tuple(path)
+    if not path or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0
+                       for r in path):
+      raise ValueError(f"static: rank path {i} {path!r} must be a non-empty tuple of ranks >= 0")
+    if path in index:
+      raise ValueError(f"static: rank path {path} appears twice")
+    if len(path) > 1 and path[:-1] not in index:
+      raise ValueError(
+          f"static: rank path {path} comes before its parent {path[:-1]}; order parents first so "
+          "that every truncation stays a tree")
+    index[path] = i
+  paths = [tuple(p) for p in rank_paths if len(p) <= n_levels]
+  depth = np.array([len(p) for p in paths], np.int32)
+  # Under cap c the tree is the first `budget` paths of depth <= c; keep the union over caps.
+  used = np.zeros(len(paths), bool)
+  for cap in range(1, n_levels + 1):
+    allowed = depth <= cap
+    used |= allowed & (np.cumsum(allowed) <= budget)
+  n_used = int(np.nonzero(used)[0].max()) + 1 if used.any() else 0
+  paths = paths[:n_used]
+  position = {p: i for i, p in enumerate(paths)}
+  parent = np.array([position[p[:-1]] if len(p) > 1 else -1 for p in paths], np.int32)
+  last_rank = np.array([p[-1] for p in paths], np.int32)
+  needed = int(max((p[-1] for p, u in zip(paths, used) if u), default=-1)) + 1
+  return depth[:n_used], parent, last_rank, needed
+
+
+@register_policy("static")
+def static(root_tokens, start, ids, logprobs, budget, max_depth=None,
+           rank_paths=DEFAULT_RANK_PATHS):
+  """A fixed tree given by rank paths (Medusa/Sequoia style).
+
+  ``rank_paths`` lists rank tuples with parents first (validated). Each request uses the first
+  ``budget`` paths whose depth fits ``min(L, max_depth)``; dropping deeper paths keeps the list
+  parent-first, so the tree stays prefix-closed. Node tokens are ``ids`` at those ranks; logprobs
+  are not read. Requires k > every rank the budget can reach. Default: ``DEFAULT_RANK_PATHS``.
+  """
+  # Budget and shapes first: the plan below depends on the budget, the k check on the plan.
+  check_inputs("static", ids, logprobs, budget, needed=0)
+  batch, n_levels, _ = ids.shape
+  depth, parent, last_rank, needed = _static_plan(rank_paths, n_levels, budget)
+  check_inputs("static", ids, logprobs, budget, needed=needed)
+  if budget == 0 or depth.size == 0:
+    return _root_only(root_tokens, start, budget)
+  cap = _max_depth(max_depth, batch, n_levels)
+  allowed = depth[None, :] <= cap[:, None]
+  row = jnp.cumsum(allowed, axis=1, dtype=jnp.int32)  # 1-based row of each allowed path
+  take = allowed & (row <= budget)
+  parent_row = jnp.where(parent[None, :] < 0, 0, jnp.take(row, jnp.maximum(parent, 0), axis=1))
+  tokens = jnp.asarray(ids, jnp.int32)[:, depth - 1, last_rank]
+  # Unselected paths scatter out of range and are dropped.
+  dest = jnp.where(take, row - 1, budget)
+  scatter = lambda x, d: jnp.zeros(budget, x.dtype).at[d].set(x, mode="drop")
+  out = [jax.vmap(scatter)(x, dest) for x in (tokens, parent_row, take)]
+  return _assemble(root_tokens, start, *out)

@@ -1,0 +1,233 @@
+"""The speculative decoding engine on the tiny random target (float32, CPU).
+
+Lossless (token equality with the near-tie rule), acceptance (exact oracles), sampling
+invariances, budget switching, batching, compilation behaviour and bad input.
+"""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from ddtree_jax import drafters, engine
+from models import kimi
+from models.config import KimiConfig
+from tests.near_tie import check_near_ties, greedy_reference
+
+CFG = KimiConfig.tiny()
+MAX_NEW = 48
+MAX_LEN = 160
+PROMPT_LENGTHS = (4, 13, 29)
+L = 15  # oracle/random drafter depth (DFlash block 16)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return kimi.init_model(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(7)
+  # Avoid EOS in prompts only for readability; stop tokens are switched off in these tests.
+  return [rng.integers(3, CFG.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+  return greedy_reference(model, prompts, MAX_NEW, MAX_LEN)
+
+
+def make_drafter(kind, prompts, reference_tokens):
+  continuations = drafters.greedy_continuations(prompts, reference_tokens)
+  if kind == "oracle":
+    return drafters.OracleDrafter.make(continuations, vocab_size=CFG.vocab_size, max_len=MAX_LEN)
+  if kind == "noisy":
+    return drafters.OracleDrafter.make(continuations, vocab_size=CFG.vocab_size, max_len=MAX_LEN, noise=0.35)
+  return drafters.RandomDrafter(CFG.vocab_size)
+
+
+def decoder(model, drafter, policy, budgets, bucket, **kwargs):
+  return engine.SpeculativeDecoder(model, drafter, policy=policy, budgets=budgets, batch_buckets=(bucket,),
+                                   max_len=MAX_LEN, show_progress=False, **kwargs)
+
+
+def run_lossless(model, prompts, reference, policy, drafter_kind, budgets, batch):
+  dec = decoder(model, make_drafter(drafter_kind, prompts, reference[0]), policy, budgets, batch)
+  ties = 0
+  for budget in budgets:
+    groups = [prompts] if batch == 3 else [[p] for p in prompts]
+    got = []
+    for group in groups:
+      got += dec.generate(group, MAX_NEW, budget=budget, stop_token_ids=[]).tokens
+    ties += check_near_ties(got, *reference, dtype="float32",
+                            context=f"{policy}/{drafter_kind}/budget {budget}/batch {batch}")
+  return ties
+
+
+# Every budget, every policy x drafter pair, and both batch sizes for every policy (float32).
+BUDGETS = (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 5, 41)  # the last two drawn at random once
+POLICIES = ("ddtree", "chain", "beam", "static")
+DRAFTERS = ("oracle", "noisy", "random")
+DESIGN = [(BUDGETS[i], POLICIES[i % 4], DRAFTERS[(i // 4) % 3], (1, 3)[(i + i // 4) % 2])
+          for i in range(len(BUDGETS))]
+
+
+@pytest.mark.parametrize("budget, policy, drafter_kind, batch", DESIGN)
+def test_greedy_speculative_equals_autoregressive(model, prompts, reference, budget, policy, drafter_kind, batch):
+  ties = run_lossless(model, prompts, reference, policy, drafter_kind, (budget,), batch)
+  print(f"near ties: {ties}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, drafter_kind, batch", list(itertools.product(POLICIES, DRAFTERS, (1, 3))))
+def test_greedy_lossless_full_cross_product(model, prompts, reference, policy, drafter_kind, batch):
+  run_lossless(model, prompts, reference, policy, drafter_kind, BUDGETS, batch)
+
+
+def test_design_covers_every_value_and_every_policy_drafter_pair():
+  assert {d[0] for d in DESIGN} == set(BUDGETS)
+  assert {(d[1], d[2]) for d in DESIGN} == set(itertools.product(POLICIES, DRAFTERS))
+  assert {(d[1], d[3]) for d in DESIGN} == set(itertools.product(POLICIES, (1, 3)))
+
+
+# ---- acceptance ---------------------------------------------------------------------------------
+def test_noise_free_oracle_chain_accepts_whole_draft_every_step(model, prompts, reference):
+  budget = 8
+  dec = decoder(model, make_drafter("oracle", prompts, reference[0]), "chain", (budget,), 3)
+  result = dec.generate(prompts, MAX_NEW, budget=budget, stop_token_ids=[])
+  check_near_ties(result.tokens, *reference)
+  produced = [1] * len(prompts)  # the first token comes from prefill
+  for step in result.steps:
+    for row, (accepted, size) in enumerate(zip(step.accepted, step.tree_size)):
+      remaining = MAX_NEW - produced[row]
+      assert size == min(budget, L, remaining - 1) + 1
+      assert accepted == size  # the whole chain plus the bonus
+      produced[row] += accepted
+  assert produced == [MAX_NEW] * 3
+  assert len(result.steps) == -(-(MAX_NEW - 1) // (budget + 1))
+  assert result.steps[0].accepted == [budget + 1] * 3
+
+
+def test_noisy_oracle_ddtree_recovers_through_siblings_and_beats_chain(model, prompts, reference):
+  budget = 16
+  drafter = make_drafter("noisy", prompts, reference[0])
+  tree = decoder(model, drafter, "ddtree", (budget,), 3).generate(prompts, MAX_NEW, stop_token_ids=[])
+  chain = decoder(model, drafter, "chain", (budget,), 3).generate(prompts, MAX_NEW, stop_token_ids=[])
+  check_near_ties(tree.tokens, *reference)
+  check_near_ties(chain.tokens, *reference)
+  sibling = sum(sum(s.sibling_accepts) for s in tree.steps)
+  assert sibling >= 10, f"ddtree accepted through a rank > 0 sibling only {sibling} times"
+  assert sum(sum(s.sibling_accepts) for s in chain.steps) == 0
+  assert tree.mean_accepted_length > chain.mean_accepted_length + 0.5, (
+      tree.mean_accepted_length, chain.mean_accepted_length)
+
+
+def test_random_drafter_is_lossless_but_rarely_accepted(model, prompts, reference):
+  result = decoder(model, make_drafter("random", prompts, reference[0]), "ddtree", (8,), 3).generate(
+      prompts, MAX_NEW, stop_token_ids=[])
+  check_near_ties(result.tokens, *reference)
+  assert result.mean_accepted_length < 1.2
+
+
+def test_switching_budgets_keeps_tokens_and_acceptance(model, prompts, reference):
+  schedule = [8, 0, 0, 4, 8, 0, 1, 8, 4] * 10
+  dec = decoder(model, make_drafter("oracle", prompts, reference[0]), "chain", (0, 1, 4, 8), 3)
+  result = dec.generate(prompts, MAX_NEW, budget_schedule=lambda i: schedule[i], stop_token_ids=[])
+  check_near_ties(result.tokens, *reference)
+  assert [s.budget for s in result.steps] == schedule[:len(result.steps)]
+  for step in result.steps:  # every step, whatever came before, accepts its whole tree
+    assert step.accepted == step.tree_size
+    if step.budget == 0:
+      assert set(step.accepted) == {1}
+
+
+# ---- batching and sampling --------------------------------------------------------------------
+def test_request_finishing_mid_batch_leaves_others_unchanged(model, prompts, reference):
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)
+  stop = reference[0][1][3]  # a token that request 1 emits early
+  batched = dec.generate(prompts, [MAX_NEW, 5, MAX_NEW], stop_token_ids=[stop])
+  for i, prompt in enumerate(prompts):
+    alone = dec.generate([prompt], [MAX_NEW, 5, MAX_NEW][i], stop_token_ids=[stop])
+    assert batched.tokens[i] == alone.tokens[0]
+    assert batched.finish_reasons[i] == alone.finish_reasons[0]
+  assert len(batched.tokens[1]) <= 5
+  assert batched.tokens[1][-1] == stop or len(batched.tokens[1]) == 5
+
+
+def test_seeded_sampling_is_batch_and_budget_invariant(model, prompts, reference):
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (0, 8), 3)
+  kwargs = dict(temperature=[0.8, 1.0, 0.0], top_p=[0.95, 1.0, 1.0], top_k=[0, 20, 0], seed=[11, 12, 13],
+                stop_token_ids=[])
+  batched = dec.generate(prompts, MAX_NEW, budget=8, **kwargs)
+  autoregressive = dec.generate(prompts, MAX_NEW, budget=0, **kwargs)
+  alone = dec.generate([prompts[0]], MAX_NEW, budget=8, temperature=0.8, top_p=0.95, seed=11, stop_token_ids=[])
+  assert alone.tokens[0] == batched.tokens[0]
+  # Keys depend on (seed, position) only, so speculative sampling reproduces autoregressive sampling.
+  assert batched.tokens == autoregressive.tokens
+  assert batched.tokens[0] != reference[0][0]  # sampling actually changed the output
+
+
+def test_jit_and_disable_jit_give_identical_tokens(model, prompts, reference):
+  drafter = make_drafter("noisy", prompts, reference[0])
+  compiled = decoder(model, drafter, "ddtree", (4,), 1).generate([prompts[1]], 12, stop_token_ids=[])
+  with jax.disable_jit():
+    eager = decoder(model, drafter, "ddtree", (4,), 1, eager=True).generate([prompts[1]], 12, stop_token_ids=[])
+  assert compiled.tokens == eager.tokens
+  assert [s.accepted for s in compiled.steps] == [s.accepted for s in eager.steps]
+
+
+def test_generate_never_compiles_after_warmup(model, prompts, reference):
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (0, 4, 8), 3)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    dec.generate(prompts, 20, budget=8, temperature=[0.0, 0.7, 1.0], seed=[1, 2, 3], stop_token_ids=[])
+    dec.generate([prompts[2], prompts[0]], 9, budget_schedule=lambda i: (0, 4, 8)[i % 3])
+    dec.generate([prompts[1][:7]], 5, budget=0)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+
+
+def test_statistics_report_host_share_and_tree_sizes(model, prompts, reference):
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)
+  result = dec.generate(prompts, 24, stop_token_ids=[])
+  assert result.steps and all(s.step_time > 0 and 0 <= s.host_share for s in result.steps)
+  assert all(1 <= size <= 9 for s in result.steps for size in s.tree_size)
+  assert all(a <= size for s in result.steps for a, size in zip(s.accepted, s.tree_size))
+  assert 0 < result.host_share < 1
+  assert sum(len(t) for t in result.tokens) == 3 * 24
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def test_bad_input_names_the_argument(model, prompts, reference):
+  drafter = make_drafter("random", prompts, reference[0])
+  with pytest.raises(ValueError, match="unknown|Unknown"):
+    decoder(model, drafter, "no-such-policy", (4,), 1)
+  dec = decoder(model, drafter, "ddtree", (0, 4), 1)
+  with pytest.raises(engine.EngineError, match="budget 8 is above the compiled maximum 4"):
+    dec.generate([prompts[0]], 4, budget=8)
+  with pytest.raises(engine.EngineError, match="budget 2 was not compiled"):
+    dec.generate([prompts[0]], 4, budget=2)
+  with pytest.raises(engine.EngineError, match="prompt 0 is empty"):
+    dec.generate([[]], 4)
+  with pytest.raises(engine.EngineError, match="too long for the cache"):
+    dec.generate([[5] * 150], 8)
+  with pytest.raises(engine.EngineError, match="max_new_tokens must be a positive int"):
+    dec.generate([prompts[0]], 0)
+  with pytest.raises(ValueError, match="temperature"):
+    dec.generate([prompts[0]], 4, temperature=-0.5)
+  with pytest.raises(ValueError, match="top_p"):
+    dec.generate([prompts[0]], 4, temperature=1.0, top_p=1.5)
+  with pytest.raises(ValueError, match="top_p"):
+    dec.generate([prompts[0]], 4, temperature=1.0, top_p=0.0)
+  with pytest.raises(engine.EngineError, match="exceeds the largest compiled batch bucket 1"):
+    dec.generate(prompts, 4)
+  with pytest.raises(engine.EngineError, match="outside \\[0, 256\\)"):
+    dec.generate([[1, 999]], 4)
+  # The engine still serves after refusing bad requests, and every slot is free again.
+  assert dec.generate([prompts[0]], 4).tokens
+  assert dec.pool.free_slots == dec.num_slots
