@@ -206,6 +206,26 @@ class KimiConfig:
     fields.update(overrides)
     return cls(**fields)
 
+  @classmethod
+  def demo(cls, **overrides) -> "KimiConfig":
+    """The shipped demo target (``kimi-demo``): Kimi's architecture at about 16M parameters.
+
+    MLA with a latent cache, a dense first layer, then MoE layers of 8 routed experts (top 2)
+    plus a shared expert, YaRN over 512 original positions; vocabulary of the demo tokenizer
+    (``<|endoftext|>`` = 0 ends generation).
+    """
+    fields = dict(
+        vocab_size=8192, hidden_size=384, num_hidden_layers=6, first_k_dense_replace=1,
+        intermediate_size=1024, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, num_attention_heads=6, q_lora_rank=192,
+        kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_theta=50000.0,
+        rope_factor=4.0, rope_original_max_position_embeddings=512, rope_beta_fast=32.0,
+        rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, initializer_range=0.02, bos_token_id=0, eos_token_id=0,
+        dtype="bfloat16", param_dtype="float32")
+    fields.update(overrides)
+    return cls(**fields)
+
   # ---- HF config.json ---------------------------------------------------------------------
   @classmethod
   def from_hf(cls, config: Mapping[str, Any], **overrides) -> "KimiConfig":

@@ -137,14 +137,22 @@ class MLAttention(nnx.Module):
     compressed = self.kv_a_proj_with_mqa(x)  # [B, Q, R + P]
     c_kv = self.kv_a_layernorm(compressed[..., :r])
     k_pe = apply_rope(compressed[..., None, r:], window.positions, cfg)[:, :, 0]
-    c_kv_pool = cache_lib.write_window(c_kv_pool, window.slots, window.prefix_len, c_kv)
-    k_pe_pool = cache_lib.write_window(k_pe_pool, window.slots, window.prefix_len, k_pe)
+    if c_kv_pool is None:
+      # No cache (training): the window attends to its own latents, as a pool of one slot per row.
+      attend_c_kv, attend_k_pe = c_kv, k_pe
+      slots = jnp.arange(b, dtype=jnp.int32)
+      prefix_len = jnp.zeros((b,), jnp.int32)
+    else:
+      c_kv_pool = cache_lib.write_window(c_kv_pool, window.slots, window.prefix_len, c_kv)
+      k_pe_pool = cache_lib.write_window(k_pe_pool, window.slots, window.prefix_len, k_pe)
+      attend_c_kv, attend_k_pe = c_kv_pool, k_pe_pool
+      slots, prefix_len = window.slots, window.prefix_len
 
     w_kv_b = self.kv_b_proj.kernel[...].reshape(r, n, d_nope + cfg.v_head_dim)
     w_uk, w_uv = w_kv_b[..., :d_nope], w_kv_b[..., d_nope:]
     q_latent = jnp.einsum('bqnd,rnd->bqnr', q_nope, w_uk.astype(q_nope.dtype))
     attend = _attention_impl(cfg)
-    out_latent = attend(q_latent, q_pe, c_kv_pool, k_pe_pool, window.slots, window.prefix_len,
+    out_latent = attend(q_latent, q_pe, attend_c_kv, attend_k_pe, slots, prefix_len,
                         window.visibility, window.valid, scale=cfg.softmax_scale)
     out = jnp.einsum('bqnr,rnv->bqnv', out_latent.astype(x.dtype), w_uv.astype(x.dtype))
     return self.o_proj(out.reshape(b, q, n * cfg.v_head_dim)), c_kv_pool, k_pe_pool
@@ -152,8 +160,9 @@ class MLAttention(nnx.Module):
 
 def _attention_impl(cfg: KimiConfig):
   if cfg.attention_impl == "pallas":
-    from pallas_kernels import tree_attention  # pylint: disable=import-outside-toplevel
-    return tree_attention.mla_tree_attention
+    raise NotImplementedError(
+        "attention_impl='pallas' needs the Mosaic GPU tree-attention kernel "
+        "(pallas_kernels/tree_attention.py), which is not written yet; use 'xla'")
   return reference.mla_tree_attention
 
 
@@ -235,6 +244,9 @@ class MoE(nnx.Module):
     order = jnp.argsort(flat_ids, stable=True)
     token_of_row = order // k
     group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
+    if cfg.moe_impl == "pallas":
+      raise NotImplementedError("moe_impl='pallas' needs the Mosaic GPU grouped-matmul kernel "
+                                "(pallas_kernels/moe.py), which is not written yet; use 'xla'")
     y = routed_experts(tokens[token_of_row], group_sizes, self.experts_gate[...],
                        self.experts_up[...], self.experts_down[...])
     y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
@@ -310,7 +322,8 @@ class KimiModel(nnx.Module):
     Args:
       tokens: int32[B, Q].
       window: positions, visibility, valid, slots, prefix_len (see ``Window``).
-      cache: the pool; the window's latents are written at ``prefix_len ..`` of each slot.
+      cache: the pool; the window's latents are written at ``prefix_len ..`` of each slot. None
+        for training: the window then attends to itself alone.
       feature_layers: static 0-based layer ids whose outputs to return (id l = output of
         decoder layer l, i.e. HF's ``hidden_states[l + 1]``).
       logits_rows: optional int32[B, R] rows for which to compute logits (default: all Q).
@@ -327,7 +340,7 @@ class KimiModel(nnx.Module):
       feature_slot[layer_id] = k
     feature_slot = jnp.asarray(feature_slot, jnp.int32)
     features = jnp.zeros((num_features + 1, b, q, h), x.dtype)
-    carry = (x, cache.c_kv, cache.k_pe, features)
+    carry = (x, None, None, features) if cache is None else (x, cache.c_kv, cache.k_pe, features)
     loads = []
     for stack, first in ((self.dense_layers, 0), (self.moe_layers, cfg.num_dense_layers)):
       if stack is None:
@@ -339,9 +352,12 @@ class KimiModel(nnx.Module):
         layer_state, layer_id = xs
         x, c_kv, k_pe, features = carry
         layer = nnx.merge(graphdef, layer_state)
-        x, c_kv_layer, k_pe_layer, load = layer(x, window, c_kv[layer_id], k_pe[layer_id])
-        c_kv = c_kv.at[layer_id].set(c_kv_layer)
-        k_pe = k_pe.at[layer_id].set(k_pe_layer)
+        if c_kv is None:
+          x, _, _, load = layer(x, window, None, None)
+        else:
+          x, c_kv_layer, k_pe_layer, load = layer(x, window, c_kv[layer_id], k_pe[layer_id])
+          c_kv = c_kv.at[layer_id].set(c_kv_layer)
+          k_pe = k_pe.at[layer_id].set(k_pe_layer)
         features = features.at[feature_slot[layer_id]].set(x)
         return (x, c_kv, k_pe, features), load
 
@@ -357,7 +373,24 @@ class KimiModel(nnx.Module):
                    jnp.zeros((0, cfg.n_routed_experts), jnp.int32))
     out = ForwardOutput(logits=logits, features=jnp.moveaxis(features[:num_features], 0, 2),
                         expert_load=expert_load)
-    return out, dataclasses.replace(cache, c_kv=c_kv, k_pe=k_pe)
+    return out, (None if cache is None else dataclasses.replace(cache, c_kv=c_kv, k_pe=k_pe))
+
+
+def train_forward(model: KimiModel, tokens, valid=None, feature_layers: Sequence[int] = ()):
+  """Causal forward over whole sequences without a cache (training and feature extraction).
+
+  Args:
+    tokens: int32[B, T]; valid: optional bool[B, T] (padding routes to no expert).
+  Returns:
+    ForwardOutput with logits float32[B, T, V].
+  """
+  b, t = tokens.shape
+  valid = jnp.ones((b, t), bool) if valid is None else valid
+  window = Window(positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                  visibility=jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
+                  valid=valid, slots=jnp.zeros((b,), jnp.int32), prefix_len=jnp.zeros((b,), jnp.int32))
+  out, _ = model(tokens, window, None, feature_layers=tuple(feature_layers))
+  return out
 
 
 def init_model(cfg: KimiConfig, seed: int = 0) -> KimiModel:

@@ -1,0 +1,160 @@
+"""Checkpoint directories in the HF layout: sharded safetensors + ``config.json``.
+
+``save_kimi`` / ``load_kimi`` read and write the Kimi/DeepSeek-V3 naming of DESIGN §2 (the
+multimodal ``language_model.`` prefix of K2.5/K2.6 is detected on load). Shards are read lazily,
+one tensor at a time. ``resolve_model_dir`` maps a bundled model's name to its directory.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models import hf_io
+from models.config import KimiConfig
+from models.kimi import KimiModel
+
+INDEX_NAME = "model.safetensors.index.json"
+BUNDLED_DIR = Path(__file__).parent / "bundled"
+
+
+def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], out_dir, *, dtype: str = "bfloat16",
+                  max_shard_bytes: int = 15 * 2**20, prefix: str = "model") -> list[str]:
+  """Writes (name, array) pairs into safetensors shards of at most ``max_shard_bytes``.
+
+  Float tensors are stored in ``dtype``; the router's correction bias stays float32 (as released).
+  Returns the shard file names (an index json maps every tensor to its shard).
+  """
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  store = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+  shards: list[dict] = [{}]
+  sizes = [0]
+  for name, value in tensors:
+    value = np.asarray(value)
+    if np.issubdtype(value.dtype, np.floating) or value.dtype == ml_dtypes.bfloat16:
+      keep_f32 = name.endswith("e_score_correction_bias")
+      value = value.astype(np.float32 if keep_f32 else store)
+    if sizes[-1] and sizes[-1] + value.nbytes > max_shard_bytes:
+      shards.append({})
+      sizes.append(0)
+    shards[-1][name] = np.ascontiguousarray(value)
+    sizes[-1] += value.nbytes
+  names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  weight_map = {}
+  for file_name, shard in zip(names, shards):
+    save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+    weight_map.update({name: file_name for name in shard})
+  index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
+  (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+  return names
+
+
+class ShardReader:
+  """Lazy access to the tensors of a sharded (or single-file) safetensors checkpoint."""
+
+  def __init__(self, directory, prefix: str = "model"):
+    self.directory = Path(directory)
+    index = self.directory / f"{prefix}.safetensors.index.json"
+    if index.exists():
+      self.weight_map = json.loads(index.read_text())["weight_map"]
+    elif (self.directory / f"{prefix}.safetensors").exists():
+      with safe_open(str(self.directory / f"{prefix}.safetensors"), framework="numpy") as f:
+        self.weight_map = {k: f"{prefix}.safetensors" for k in f.keys()}
+    else:
+      raise FileNotFoundError(f"{self.directory} has neither {index.name} nor {prefix}.safetensors")
+    self._open: dict = {}
+
+  def names(self) -> list[str]:
+    return list(self.weight_map)
+
+  def __call__(self, name: str) -> np.ndarray:
+    if name not in self.weight_map:
+      raise KeyError(name)
+    file_name = self.weight_map[name]
+    if file_name not in self._open:
+      self._open[file_name] = safe_open(str(self.directory / file_name), framework="numpy")
+    return self._open[file_name].get_tensor(name)
+
+
+def save_kimi(model: KimiModel, out_dir, *, dtype: str = "bfloat16", max_shard_bytes: int = 15 * 2**20) -> None:
+  """Writes ``config.json`` and HF-named safetensors shards for a Kimi model."""
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  config = model.cfg.to_hf()
+  config["torch_dtype"] = dtype
+  (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+  write_sharded(hf_io.iter_hf_tensors(model), out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def load_kimi(directory, **config_overrides) -> KimiModel:
+  """Loads a Kimi/DeepSeek-V3 checkpoint directory (``config.json`` + safetensors).
+
+  ``config_overrides`` replace config fields, e.g. ``dtype="float32", param_dtype="float32"``
+  to run a bf16 checkpoint in float32.
+  """
+  directory = resolve_model_dir(directory)
+  config_path = directory / "config.json"
+  if not config_path.exists():
+    raise FileNotFoundError(f"{directory} has no config.json")
+  hf_config = json.loads(config_path.read_text())
+  overrides = {"param_dtype": _stored_dtype(hf_config), "dtype": _stored_dtype(hf_config)}
+  overrides.update(config_overrides)
+  cfg = KimiConfig.from_hf(hf_config, **overrides)
+  reader = ShardReader(directory)
+  prefix = hf_io.detect_prefix(reader.names())
+  return hf_io.load_hf_tensors(cfg, reader, prefix=prefix)
+
+
+def _stored_dtype(hf_config) -> str:
+  text = hf_config.get("text_config", hf_config)
+  dtype = str(text.get("torch_dtype", hf_config.get("torch_dtype", "bfloat16")))
+  return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def bundled_models() -> list[str]:
+  """Names of the models shipped inside the package."""
+  if not BUNDLED_DIR.exists():
+    return []
+  return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "config.json").exists())
+
+
+def resolve_model_dir(name_or_path) -> Path:
+  """A bundled model's name (``kimi-demo``) or a checkpoint directory -> its directory."""
+  path = Path(os.path.expanduser(str(name_or_path)))
+  if path.is_dir():
+    return path
+  bundled = BUNDLED_DIR / str(name_or_path)
+  if bundled.is_dir():
+    return bundled
+  known = ", ".join(bundled_models()) or "none"
+  raise FileNotFoundError(f"no model directory or bundled model named {str(name_or_path)!r} "
+                          f"(bundled: {known})")
+
+
+def save_dflash(model, out_dir, *, dtype: str = "bfloat16", max_shard_bytes: int = 15 * 2**20) -> None:
+  """Writes a DFlash drafter in the published layout (``config.json`` with ``dflash_config``)."""
+  from models import dflash  # pylint: disable=import-outside-toplevel
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  config = model.cfg.to_hf()
+  config["torch_dtype"] = dtype
+  (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+  write_sharded(dflash.to_hf_state_dict(model).items(), out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def load_dflash(directory, **config_overrides):
+  """Loads a DFlash drafter directory (``config.json`` + safetensors)."""
+  from models import dflash  # pylint: disable=import-outside-toplevel
+  directory = resolve_model_dir(directory)
+  hf_config = json.loads((directory / "config.json").read_text())
+  overrides = {"param_dtype": _stored_dtype(hf_config), "dtype": _stored_dtype(hf_config)}
+  overrides.update(config_overrides)
+  cfg = dflash.DFlashConfig.from_hf(hf_config, **overrides)
+  reader = ShardReader(directory)
+  return dflash.from_hf_state_dict(cfg, {name: reader(name) for name in reader.names()})
