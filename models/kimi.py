@@ -309,11 +309,17 @@ class KimiModel(nnx.Module):
     self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs)
 
   def head(self, hidden):
-    """Final norm + LM head: [..., H] -> float32 logits [..., V]."""
+    """Final norm + LM head: [..., H] -> float32 logits [..., V].
+
+    The product accumulates into float32 and is never rounded to bf16: bf16 logits are spaced
+    0.0625 apart near 10, which turns every close call into an exact tie broken by rounding noise.
+    """
     normed = self.norm(hidden)
     if self.lm_head is None:
-      return self.embed_tokens.attend(normed).astype(jnp.float32)
-    return self.lm_head(normed).astype(jnp.float32)
+      table = self.embed_tokens.embedding[...]
+      return jnp.einsum('...h,vh->...v', normed, table.astype(normed.dtype), preferred_element_type=jnp.float32)
+    kernel = self.lm_head.kernel[...]
+    return jnp.einsum('...h,hv->...v', normed, kernel.astype(normed.dtype), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, window: Window, cache: cache_lib.KVCache,
                feature_layers: Sequence[int] = (), logits_rows=None):

@@ -13,7 +13,7 @@ import pytest
 from ddtree_jax import drafters, engine
 from models import kimi
 from models.config import KimiConfig
-from tests.near_tie import check_near_ties, greedy_reference
+from ddtree_jax.near_tie import check_near_ties, greedy_reference
 
 CFG = KimiConfig.tiny()
 MAX_NEW = 48

@@ -20,7 +20,7 @@ from models import forward as fwd
 from models import hf_io, kimi
 from models.config import ConfigError, KimiConfig
 from tests.models import numpy_dflash, numpy_kimi
-from tests.near_tie import check_near_ties, greedy_reference
+from ddtree_jax.near_tie import check_near_ties, greedy_reference
 
 TARGET_CFG = KimiConfig.tiny()
 CFG = dflash.DFlashConfig.tiny(TARGET_CFG)  # block 16, feature layers (0, 1)

@@ -42,19 +42,31 @@ def greedy_reference(model, prompts, max_new_tokens: int, max_len: int):
   return [t.tolist() for t in tokens], [m for m in margins]
 
 
-def check_near_ties(got, ref_tokens, ref_margins, dtype: str = "float32", context: str = "") -> int:
-  """Asserts each stream equals its reference up to near ties; returns the number of ties."""
+def classify(got, ref_tokens, ref_margins, dtype: str = "float32"):
+  """Per stream: None (equal), ("tie", index, margin) or ("divergence", index, margin)."""
   tol = TOLERANCE[dtype]
-  ties = 0
-  for i, (g, r) in enumerate(zip(got, ref_tokens)):
+  verdicts = []
+  for g, r, margins in zip(got, ref_tokens, ref_margins):
     n = min(len(g), len(r))
     diverge = next((t for t in range(n) if g[t] != r[t]), None)
     if diverge is None:
-      assert len(g) == len(r), f"{context} stream {i}: length {len(g)} != reference {len(r)}"
+      verdicts.append(None if len(g) == len(r) else ("divergence", n, float("inf")))
       continue
-    margin = float(ref_margins[i][diverge])
-    assert margin < tol, (
-        f"{context} stream {i} diverges at token {diverge} ({g[diverge]} vs reference {r[diverge]}) "
-        f"where the reference's top-2 margin is {margin:.3g} >= {tol} ({dtype}): not a near tie")
+    margin = float(margins[diverge])
+    verdicts.append(("tie" if margin < tol else "divergence", diverge, margin))
+  return verdicts
+
+
+def check_near_ties(got, ref_tokens, ref_margins, dtype: str = "float32", context: str = "") -> int:
+  """Asserts each stream equals its reference up to near ties; returns the number of ties."""
+  ties = 0
+  for i, verdict in enumerate(classify(got, ref_tokens, ref_margins, dtype)):
+    if verdict is None:
+      continue
+    kind, index, margin = verdict
+    assert kind == "tie", (
+        f"{context} stream {i} diverges at token {index} ({got[i][index] if index < len(got[i]) else 'end'} vs "
+        f"reference {ref_tokens[i][index] if index < len(ref_tokens[i]) else 'end'}) where the reference's top-2 "
+        f"margin is {margin:.3g} >= {TOLERANCE[dtype]} ({dtype}): not a near tie")
     ties += 1
   return ties
