@@ -231,3 +231,13 @@ def test_bad_input_names_the_argument(model, prompts, reference):
   # The engine still serves after refusing bad requests, and every slot is free again.
   assert dec.generate([prompts[0]], 4).tokens
   assert dec.pool.free_slots == dec.num_slots
+
+
+@pytest.mark.slow
+def test_every_budget_from_1_to_64_compiles_and_is_lossless(model, prompts, reference):
+  """DESIGN §3.1: buffers sized for one budget broke others; here every budget is its own shape."""
+  budgets = tuple(range(1, 65))
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", budgets, 3)
+  for budget in budgets:
+    result = dec.generate(prompts, MAX_NEW, budget=budget, stop_token_ids=[])
+    check_near_ties(result.tokens, *reference, context=f"ddtree/budget {budget}")
