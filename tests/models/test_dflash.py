@@ -132,6 +132,24 @@ def test_hf_state_dict_round_trip_and_published_names(drafter_model):
     dflash.from_hf_state_dict(CFG, bad)
 
 
+def test_exported_safetensors_reload_to_identical_logits(tmp_path, target, drafter_model):
+  from models import loading  # pylint: disable=import-outside-toplevel
+  loading.save_dflash(drafter_model, tmp_path, dtype="float32")
+  hf = json.loads((tmp_path / "config.json").read_text())
+  assert hf["dflash_config"]["target_layer_ids"] == list(CFG.target_layer_ids)
+  reloaded = loading.load_dflash(tmp_path)
+  assert reloaded.cfg == CFG
+  rng = np.random.default_rng(9)
+  features = random_features(rng, 1, 12)
+  slots = jnp.asarray([0])
+  embed, head = target.embed_tokens.embedding[...], target.lm_head.kernel[...]
+  logits = []
+  for model in (drafter_model, reloaded):
+    cache = extend_in_chunks(model, dflash.init_cache(CFG, 1, 64), slots, features, [12])
+    logits.append(np.asarray(_block_logits(model, embed, head, cache, slots, jnp.asarray([5]), jnp.asarray([12]))))
+  np.testing.assert_array_equal(logits[0], logits[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # Training path == inference path
 # ---------------------------------------------------------------------------------------------
