@@ -31,8 +31,9 @@ class Drafter(Protocol):
     """The context cache for ``num_slots`` slots plus the scratch slot ``num_slots``."""
 
   def reset(self, params, state, slot, prompt) -> Any:
-    """Empties ``slot`` for a new request (``slot``: int32[1]; ``prompt``: int32[P] padded with
-    ``prompt_len``: the host may use it, e.g. the oracle's lookup). Compiled once per shape."""
+    """Empties ``slot`` for a new request. Called eagerly at admission, before the prompt's
+    ``extend`` calls, with ``slot`` a numpy int32[1] and ``prompt`` the request's numpy token ids;
+    it must not compile on repeated calls (the engine promises no compilation after warm-up)."""
 
   def extend(self, params, state, slots, tokens, positions, features, num_new) -> Any:
     """Appends committed tokens to each slot's context.

@@ -25,7 +25,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ddtree_jax import policies
-from ddtree_jax import tree as tree_lib
 from ddtree_jax import verify as verify_lib
 from models import cache as cache_lib
 from models import forward as fwd
@@ -77,14 +76,6 @@ class StepOutput:
   experts_touched: jax.Array
 
 
-def _root_only_tree(root, start):
-  batch = root.shape[0]
-  zeros = jnp.zeros((batch, 1), jnp.int32)
-  return tree_lib.Tree(tokens=root[:, None].astype(jnp.int32), parents=zeros - 1, depth=zeros,
-                       positions=start[:, None].astype(jnp.int32), visibility=jnp.ones((batch, 1, 1), bool),
-                       valid=jnp.ones((batch, 1), bool))
-
-
 def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_state, decode: DecodeState,
                      slots, sampling: verify_lib.SamplingParams, stop_tokens, stop_valid, *,
                      drafter, policy: Callable, budget: int, top_k: int):
@@ -105,9 +96,11 @@ def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_st
     rank0 = jnp.take_along_axis(ids[:, :, 0], jnp.clip(tree.depth - 1, 0, ids.shape[1] - 1), axis=1)
     off_rank0 = (tree.depth > 0) & (tree.tokens != rank0)  # [B, Q]
   else:
-    tree = _root_only_tree(decode.root, start)
+    tree = policies.root_only_tree(decode.root, start)
     off_rank0 = jnp.zeros(tree.tokens.shape, bool)
-  tree = dataclasses.replace(tree, valid=tree.valid & active[:, None])
+  # The root is always real for an active row, whatever a (custom) policy says: a row whose root
+  # were padding would emit nothing and never finish.
+  tree = dataclasses.replace(tree, valid=tree.valid.at[:, 0].set(True) & active[:, None])
 
   logits, features, target_cache, expert_load = fwd.verify(
       target, tree.tokens, tree.positions, tree.visibility, tree.valid, slots, target_cache,
@@ -117,7 +110,7 @@ def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_st
   num_commit = jnp.where(active, result.num_accepted, 0)
   on_path = jnp.arange(tree.q_len)[None, :] < num_commit[:, None]
   sibling_accepts = jnp.sum(on_path & jnp.take_along_axis(off_rank0, result.accepted_nodes, axis=1), axis=1)
-  target_cache = cache_lib.commit(target_cache, slots, result.accepted_nodes, num_commit)
+  target_cache = fwd.commit(target_cache, slots, result.accepted_nodes, num_commit)
   path_tokens = jnp.take_along_axis(tree.tokens, result.accepted_nodes, axis=1)
   path_features = jnp.take_along_axis(features, result.accepted_nodes[:, :, None, None], axis=1)
   path_positions = start[:, None] + jnp.arange(tree.q_len, dtype=jnp.int32)[None, :]
@@ -336,7 +329,7 @@ class SpeculativeDecoder:
 
   # ---- validation --------------------------------------------------------------------------
   def check_budget(self, budget) -> int:
-    if isinstance(budget, bool) or int(budget) != budget:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
       raise EngineError(f"budget must be an int, got {budget!r}")
     if budget not in self.budgets:
       if budget > max(self.budgets):
@@ -348,14 +341,17 @@ class SpeculativeDecoder:
   def _check_prompts(self, prompts, max_new_tokens):
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
       raise EngineError("prompts must be a non-empty list of token-id sequences")
-    limits = (list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts))
+    limits = (list(max_new_tokens) if np.ndim(max_new_tokens) == 1 else [max_new_tokens] * len(prompts))
     if len(limits) != len(prompts):
       raise EngineError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
     out = []
     for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-      if isinstance(limit, bool) or int(limit) != limit or limit <= 0:
+      if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit <= 0:
         raise EngineError(f"max_new_tokens must be a positive int, got {limit!r}")
-      arr = np.asarray(prompt)
+      try:
+        arr = np.asarray(prompt)
+      except ValueError:
+        raise EngineError(f"prompt {i} must be a flat list of token ids") from None
       if arr.ndim != 1 or arr.size == 0:
         raise EngineError(f"prompt {i} is empty (or not a flat list of token ids)")
       if not np.issubdtype(arr.dtype, np.integer):
@@ -371,7 +367,12 @@ class SpeculativeDecoder:
     return out, [int(l) for l in limits]
 
   def _stop_arrays(self, stop_token_ids, batch):
-    stop_ids = list(stop_token_ids) if stop_token_ids is not None else [self.cfg.eos_token_id]
+    if stop_token_ids is None:
+      stop_ids = [self.cfg.eos_token_id]
+    elif np.ndim(stop_token_ids) == 1 or (isinstance(stop_token_ids, Sequence) and len(stop_token_ids) == 0):
+      stop_ids = list(stop_token_ids)
+    else:
+      raise EngineError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
     if len(stop_ids) > self.max_stop_tokens:
       raise EngineError(f"{len(stop_ids)} stop token ids exceed max_stop_tokens={self.max_stop_tokens}")
     for t in stop_ids:
@@ -388,6 +389,14 @@ class SpeculativeDecoder:
              max_new_tokens: int):
     """Prefills one request into a fresh slot and places it at ``row`` of the batch state."""
     slot = self.pool.allocate()
+    try:
+      return slot, *self._prefill_into(slot, prompt, row, decode, sampling_row, stop_row, stop_valid_row,
+                                       max_new_tokens)
+    except BaseException:
+      self.pool.release(slot)
+      raise
+
+  def _prefill_into(self, slot, prompt, row, decode, sampling_row, stop_row, stop_valid_row, max_new_tokens):
     slot_dev = np.asarray([slot], np.int32)
     self.target_cache = self._aux["reset_lengths"](self.target_cache, slot_dev)
     self.drafter_state = self.drafter.reset(self.drafter_params, self.drafter_state, slot_dev, prompt)
@@ -404,7 +413,7 @@ class SpeculativeDecoder:
     token, row_state = self._aux["first"](logits, np.asarray([len(prompt) - 1], np.int32), sampling_row,
                                           stop_row, stop_valid_row, np.asarray([max_new_tokens], np.int32))
     decode = self._aux[("set_row", decode.root.shape[0])](decode, np.asarray([row], np.int32), row_state)
-    return slot, token, decode
+    return token, decode
 
   # ---- generation --------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens, *, budget: int | None = None,
@@ -457,6 +466,8 @@ class SpeculativeDecoder:
     """Dispatches step k + 1 before reading step k; finishing is decided on the device."""
     active = np.array([len(out_tokens[r]) < limits[r] and out_tokens[r][-1] not in stop_sets[r]
                        for r in range(batch)])
+    # Per-request inputs that stay fixed for the whole loop go to the device once.
+    slots_dev, sampling, stop_tokens, stop_valid = jax.device_put((slots, sampling, stop_tokens, stop_valid))
     steps: list[StepStats] = []
     step_index = 0
     pending = None  # (budget, StepOutput, host seconds spent dispatching it)
@@ -467,7 +478,7 @@ class SpeculativeDecoder:
         host_t0 = time.perf_counter()
         b = self.check_budget(budget_schedule(step_index)) if budget_schedule else default_budget
         self.target_cache, self.drafter_state, decode, out = self._aux[("step", bucket, b)](
-            self._params_leaves, self.target_cache, self.drafter_state, decode, slots,
+            self._params_leaves, self.target_cache, self.drafter_state, decode, slots_dev,
             sampling, stop_tokens, stop_valid)
         dispatched = (b, out, time.perf_counter() - host_t0)
         step_index += 1

@@ -4,9 +4,10 @@
     python -m ddtree_jax.generate --prompt "import os" --policy chain --budget 8 --max-new-tokens 96
 
 The defaults run the bundled ``kimi-demo`` target (a 16M-parameter Kimi-architecture model trained
-on Python sources) with its DFlash drafter. With ``--compare`` (default on) the same prompt is also
-decoded plainly, and the command reports whether the speculative text is identical (at
-temperature 0 it must be, up to near ties) and the acceptance length.
+on Python sources) with its DFlash drafter. Unless ``--no-compare`` is given, the same prompt is
+also decoded plainly and the command reports whether the token streams are identical, exiting 1
+when they are not (at temperature 0 they must be, except at a near tie of two logits, which this
+command does not tell apart; the tests do).
 """
 
 import argparse

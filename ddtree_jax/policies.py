@@ -123,7 +123,8 @@ def _assemble(root_tokens, start, tokens, parents, valid):
   return tree_lib.tree_from_parents(tokens, parents, valid, jnp.asarray(start, jnp.int32))
 
 
-def _root_only(root_tokens, start, budget):
+def root_only_tree(root_tokens, start, budget: int = 0):
+  """A tree holding only each root (plus ``budget`` padded rows): autoregressive decoding."""
   batch = root_tokens.shape[0]
   zeros = jnp.zeros((batch, budget), jnp.int32)
   return _assemble(root_tokens, start, zeros, zeros, jnp.zeros((batch, budget), bool))
@@ -194,7 +195,7 @@ def _search_policy(root_tokens, start, ids, logprobs, budget, max_depth, n_keep,
   """Runs ``_layered_search`` over the batch and gathers tokens into a Tree."""
   batch, n_levels, _ = ids.shape
   if budget == 0 or n_levels == 0:
-    return _root_only(root_tokens, start, budget)
+    return root_only_tree(root_tokens, start, budget)
   search = functools.partial(_layered_search, budget=budget, n_keep=n_keep, n_child=n_child,
                              n_pool=n_pool)
   level, rank, parents, valid = jax.vmap(search)(
@@ -354,7 +355,7 @@ def static(root_tokens, start, ids, logprobs, budget, max_depth=None,
   depth, parent, last_rank, needed = _static_plan(rank_paths, n_levels, budget)
   check_inputs("static", ids, logprobs, budget, needed=needed)
   if budget == 0 or depth.size == 0:
-    return _root_only(root_tokens, start, budget)
+    return root_only_tree(root_tokens, start, budget)
   cap = _max_depth(max_depth, batch, n_levels)
   allowed = depth[None, :] <= cap[:, None]
   row = jnp.cumsum(allowed, axis=1, dtype=jnp.int32)  # 1-based row of each allowed path

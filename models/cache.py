@@ -4,9 +4,10 @@ Device side (``KVCache``, a pytree): per layer, ``c_kv`` (kv_lora_rank) and ``k_
 for ``[num_slots + 1, max_len]`` tokens, and the committed length of every slot. The extra last
 slot is scratch: batch rows that carry no request point at it, so they never touch a real slot.
 
-Host side (``SlotPool``): which slots are in use and an exact mirror of their committed lengths,
-so that a window that does not fit is refused before dispatch, without waiting on the device.
-The slot lookup (``slot_rows``) lives here alone, so that pages can replace slots later.
+Host side (``SlotPool``): which slots are in use and a mirror of their committed lengths, so
+that ``models.forward.verify(..., pool=...)`` refuses a window that does not fit before dispatch,
+without waiting on the device. (The engine checks once, at admission, that prompt + max_new_tokens
++ one window fit, and updates the mirror as it reads each step's results.)
 """
 
 import dataclasses
@@ -56,11 +57,6 @@ def init_cache(config, num_slots: int, max_len: int, dtype=None) -> KVCache:
       k_pe=jnp.zeros((layers, num_slots + 1, max_len, config.qk_rope_head_dim), dtype),
       lengths=jnp.zeros((num_slots + 1,), jnp.int32),
   )
-
-
-def slot_rows(pool, slots):
-  """The cache rows of a batch: ``pool[slots]`` ([S + 1, T, ...] -> [B, T, ...])."""
-  return pool[slots]
 
 
 def write_window(pool, slots, prefix_len, values):

@@ -266,6 +266,11 @@ class KimiConfig:
         fields[name] = config[hf_name]
     if isinstance(fields.get("eos_token_id"), list):
       fields["eos_token_id"] = fields["eos_token_id"][0]
+    if config.get("quantization_config"):
+      method = config["quantization_config"].get("quant_method", "?")
+      raise ConfigError(
+          f"config.json has quantization_config ({method}): quantised checkpoints (K2's FP8 block "
+          "scales, K2.6's INT4 pack-quantized experts) are not supported by this loader yet")
     scoring = config.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
       raise ConfigError(f"config.json scoring_func={scoring!r}: only 'sigmoid' (DeepSeek-V3/Kimi) is supported")

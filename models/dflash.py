@@ -693,6 +693,8 @@ def sample_anchors(key, valid_len, num_anchors: int, seq_len: int):
     valid_len: int32[B]. Returns int32[B, A] in ``[0, valid_len - 2]`` while there are enough
     positions; the rest fall at positions whose blocks ``train_loss`` masks entirely.
   """
+  if not 0 < num_anchors <= seq_len:
+    raise ValueError(f"num_anchors={num_anchors} must lie in [1, seq_len={seq_len}]")
   scores = jax.random.uniform(key, (valid_len.shape[0], seq_len))
   usable = jnp.arange(seq_len)[None, :] < (valid_len[:, None] - 1)
   _, anchors = jax.lax.top_k(jnp.where(usable, scores, -1.0), num_anchors)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import cache as cache_lib
-from models.kimi import ForwardOutput, KimiModel, Window
+from models.kimi import KimiModel, Window
 
 
 def _check_window_args(model: KimiModel, tokens, positions, visibility, valid, slots, cache,
@@ -36,6 +36,8 @@ def _check_window_args(model: KimiModel, tokens, positions, visibility, valid, s
   if q > cache.max_len:
     raise ValueError(f"window of {q} rows exceeds the cache's max_len {cache.max_len}")
   layers = model.cfg.num_hidden_layers
+  if len(set(feature_layers)) != len(feature_layers):
+    raise ValueError(f"feature layers {list(feature_layers)} repeat an id")
   for layer_id in feature_layers:
     if not 0 <= layer_id < layers:
       raise ValueError(f"feature layer {layer_id} outside [0, {layers}) (0-based decoder layer ids)")

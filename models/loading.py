@@ -19,7 +19,6 @@ from models import hf_io
 from models.config import KimiConfig
 from models.kimi import KimiModel
 
-INDEX_NAME = "model.safetensors.index.json"
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 
 

@@ -11,7 +11,6 @@ line per logged step to ``--out/<name>_log.jsonl``.
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -134,7 +133,6 @@ def main(argv=None) -> int:
     target, target_summary = run_target(args, _tc(args), out)
     loading.save_kimi(target, out / args.name)
     drafter_tc = _tc(args, prefix="drafter_")
-    drafter_tc = dataclasses.replace(drafter_tc, seed=args.seed)
     drafter, drafter_summary = run_drafter(args, target, drafter_tc, out, args.mask_token_id)
     loading.save_dflash(drafter, out / f"{args.name}-dflash")
     summary = {"target": target_summary, "drafter": drafter_summary, "wall_s": time.perf_counter() - t0,

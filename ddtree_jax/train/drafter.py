@@ -15,22 +15,16 @@ from ddtree_jax.train import loop
 from models import dflash, kimi
 
 
-def target_head_weights(target: kimi.KimiModel):
-  """The target's embedding table [V, H] and LM-head kernel [H, V] (shared with the drafter)."""
-  embed = target.embed_tokens.embedding[...]
-  head = embed.T if target.lm_head is None else target.lm_head.kernel[...]
-  return embed, head
-
-
 @functools.cache
-def make_train_step(feature_layers: tuple[int, ...], num_anchors: int):
+def make_train_step(feature_layers: tuple[int, ...], num_anchors: int, seed: int):
   @nnx.jit(donate_argnums=(1, 2))
   def train_step(target, drafter, optimizer, tokens, step):
     b, t = tokens.shape
     features = jax.lax.stop_gradient(kimi.train_forward(target, tokens, feature_layers=feature_layers).features)
-    embed, head = jax.lax.stop_gradient(target_head_weights(target))
+    shared = dflash.DFlashDrafter.params(drafter, target)  # the target's own embedding and head
+    embed, head = jax.lax.stop_gradient((shared.embed_table, shared.lm_head_kernel))
     valid_len = jnp.full((b,), t, jnp.int32)
-    anchors = dflash.sample_anchors(jax.random.fold_in(jax.random.key(17), step), valid_len, num_anchors, t)
+    anchors = dflash.sample_anchors(jax.random.fold_in(jax.random.key(seed), step), valid_len, num_anchors, t)
     loss_fn = lambda d: dflash.train_loss(d, embed, head, tokens, features, anchors, valid_len)
     (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
     optimizer.update(drafter, grads)
@@ -48,7 +42,7 @@ def train_drafter(drafter: dflash.DFlashModel, target: kimi.KimiModel, tc: loop.
   """
   dflash_cfg = drafter.cfg
   optimizer = nnx.Optimizer(drafter, loop.make_optimizer(tc), wrt=nnx.Param)
-  step_fn = make_train_step(tuple(dflash_cfg.target_layer_ids), num_anchors)
+  step_fn = make_train_step(tuple(dflash_cfg.target_layer_ids), num_anchors, tc.seed)
   train_step = lambda model, opt, batch: step_fn(target, model, opt, batch["tokens"], batch["step"])
   # Windows of seq_len tokens (the dataset's extra next-token column is not needed here).
   batch_at = lambda step: {"tokens": dataset.batch(step)[:, :tc.seq_len], "step": step}

@@ -43,6 +43,9 @@ class TrainConfig:
         raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must lie in [0, steps={self.steps}]")
+    for name in ("log_every", "checkpoint_every"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
     if self.learning_rate <= 0:
       raise ValueError(f"TrainConfig.learning_rate must be positive, got {self.learning_rate}")
 
@@ -94,7 +97,7 @@ class Checkpointer:
 
 
 class RunLog:
-  """One JSON line per logged step in ``<dir>/train_log.jsonl``, plus a summary at the end."""
+  """One JSON line per logged step in ``<dir>/<name>_log.jsonl``, plus a summary at the end."""
 
   def __init__(self, directory, name: str):
     self.path = Path(directory) / f"{name}_log.jsonl"

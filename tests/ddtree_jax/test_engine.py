@@ -202,6 +202,18 @@ def test_statistics_report_host_share_and_tree_sizes(model, prompts, reference):
   assert sum(len(t) for t in result.tokens) == 3 * 24
 
 
+class FailingDrafter(drafters.RandomDrafter):
+  def reset(self, params, state, slot, prompt):
+    raise RuntimeError("injected admission failure")
+
+
+def test_failed_admission_frees_its_slot(model, prompts):
+  dec = decoder(model, FailingDrafter(CFG.vocab_size), "ddtree", (4,), 3)
+  with pytest.raises(RuntimeError, match="injected"):
+    dec.generate(prompts, 4)
+  assert dec.pool.free_slots == dec.num_slots
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 def test_bad_input_names_the_argument(model, prompts, reference):
   drafter = make_drafter("random", prompts, reference[0])
@@ -228,6 +240,12 @@ def test_bad_input_names_the_argument(model, prompts, reference):
     dec.generate(prompts, 4)
   with pytest.raises(engine.EngineError, match="outside \\[0, 256\\)"):
     dec.generate([[1, 999]], 4)
+  with pytest.raises(engine.EngineError, match="stop_token_ids must be a list"):
+    dec.generate([prompts[0]], 4, stop_token_ids=5)
+  with pytest.raises(engine.EngineError, match="budget must be an int"):
+    dec.generate([prompts[0]], 4, budget="4")
+  with pytest.raises(engine.EngineError, match="prompt 0 must be a flat list"):
+    dec.generate([[1, [2, 3]]], 4)
   # The engine still serves after refusing bad requests, and every slot is free again.
   assert dec.generate([prompts[0]], 4).tokens
   assert dec.pool.free_slots == dec.num_slots

@@ -301,5 +301,7 @@ def test_config_from_hf_plain_and_multimodal():
   assert KimiConfig.from_hf(wrapped) == KimiConfig.from_hf(hf)
   with pytest.raises(ConfigError, match="lacks"):
     KimiConfig.from_hf({"hidden_size": 8})
+  with pytest.raises(ConfigError, match="quantization_config \\(compressed-tensors\\)"):
+    KimiConfig.from_hf({**hf, "quantization_config": {"quant_method": "compressed-tensors"}})
   with pytest.raises(ConfigError, match="only 'yarn'"):
     KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
