@@ -55,17 +55,29 @@ class Drafter(Protocol):
     """
 
 
-def _distinct_candidates(key, batch, positions, vocab_size, top_k):
+def _row_keys(seed, start, root_tokens):
+  """One key per request from its own (position, root): drafts do not depend on the batch."""
+  base = jax.random.key(seed)
+  return jax.vmap(lambda s, r: jax.random.fold_in(jax.random.fold_in(base, s), r))(start, root_tokens)
+
+
+def _distinct_candidates(keys, positions, vocab_size, top_k):
   """Random distinct token ids [B, L, k] (a random permutation's first k per position)."""
-  noise = jax.random.uniform(key, (batch, positions, vocab_size))
+  noise = jax.vmap(lambda k: jax.random.uniform(k, (positions, vocab_size)))(keys)
   return jax.lax.top_k(noise, top_k)[1].astype(jnp.int32)
 
 
-def _descending_logprobs(key, shape, spread):
+def _descending_logprobs(keys, shape, spread):
   """Sorted-descending log-probabilities with random gaps (strictly decreasing)."""
-  gaps = 0.05 + spread * jax.random.uniform(key, shape)
+  gaps = 0.05 + spread * jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(keys)
   scores = -jnp.cumsum(gaps, axis=-1)
   return jax.nn.log_softmax(scores, axis=-1)
+
+
+def _split_rows(keys, num):
+  """[B] keys -> num arrays of [B] keys."""
+  split = jax.vmap(lambda k: jax.random.split(k, num))(keys)  # [B, num]
+  return [split[:, i] for i in range(num)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +99,8 @@ class RandomDrafter:
     return state
 
   def propose(self, params, state, slots, root_tokens, start, top_k):
-    key = jax.random.fold_in(jax.random.key(self.seed), jnp.sum(start * 7919 + root_tokens))
-    k_ids, k_lp = jax.random.split(key)
-    batch = root_tokens.shape[0]
-    ids = _distinct_candidates(k_ids, batch, self.num_positions, self.vocab_size, top_k)
+    k_ids, k_lp = _split_rows(_row_keys(self.seed, start, root_tokens), 2)
+    ids = _distinct_candidates(k_ids, self.num_positions, self.vocab_size, top_k)
     return ids, _descending_logprobs(k_lp, ids.shape, 1.0)
 
 
@@ -147,15 +157,14 @@ class OracleDrafter:
     return state
 
   def propose(self, params, state, slots, root_tokens, start, top_k):
-    batch, positions = root_tokens.shape[0], self.num_positions
-    key = jax.random.fold_in(jax.random.key(self.seed), jnp.sum(start * 7919 + root_tokens))
-    k_ids, k_noise, k_rank = jax.random.split(key, 3)
+    positions = self.num_positions
+    k_ids, k_noise, k_rank = _split_rows(_row_keys(self.seed, start, root_tokens), 3)
     cols = start[:, None] + 1 + jnp.arange(positions)[None, :]  # [B, L]
     truth = jnp.take_along_axis(state[slots], jnp.clip(cols, 0, self.max_len - 1), axis=1)
     known = (truth >= 0) & (cols < self.max_len)
-    ids = _distinct_candidates(k_ids, batch, positions, self.vocab_size, top_k)
-    moved = jax.random.uniform(k_noise, (batch, positions)) < self.noise
-    rank = jnp.where(moved, jax.random.randint(k_rank, (batch, positions), 1, self.noise_ranks + 1), 0)
+    ids = _distinct_candidates(k_ids, positions, self.vocab_size, top_k)
+    moved = jax.vmap(lambda k: jax.random.uniform(k, (positions,)))(k_noise) < self.noise
+    rank = jnp.where(moved, jax.vmap(lambda k: jax.random.randint(k, (positions,), 1, self.noise_ranks + 1))(k_rank), 0)
     rank = jnp.minimum(rank, top_k - 1)
     # Remove the true token where the random candidates already hold it, then insert it at `rank`.
     holds = ids == truth[..., None]

@@ -416,10 +416,22 @@ class SpeculativeDecoder:
     return token, decode
 
   # ---- generation --------------------------------------------------------------------------
+  def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+              stop_token_ids: Sequence[int] | None = None) -> "Request":
+    """A validated request (raises EngineError/ValueError naming the bad argument)."""
+    (arr,), (limit,) = self._check_prompts([prompt], [max_new_tokens])
+    sampling = verify_lib.SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, 1)
+    return Request(prompt=arr, max_new_tokens=limit, sampling=sampling, stop_tokens=stop_tokens[0],
+                   stop_valid=stop_valid[0])
+
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens, *, budget: int | None = None,
                budget_schedule: Callable[[int], int] | None = None, temperature=0.0, top_k=0, top_p=1.0,
                seed=0, stop_token_ids: Sequence[int] | None = None) -> GenerateResult:
-    """Generates for a batch of prompts (sampling settings per request).
+    """Generates for a list of prompts with continuous batching (sampling settings per request).
+
+    Requests run in the smallest compiled bucket that holds them all, or the largest bucket, in
+    which case a request joins as soon as another leaves.
 
     Args:
       max_new_tokens: an int, or one per prompt.
@@ -430,82 +442,157 @@ class SpeculativeDecoder:
     """
     prompts, limits = self._check_prompts(prompts, max_new_tokens)
     default_budget = self.check_budget(max(self.budgets) if budget is None else budget)
-    batch = len(prompts)
-    bucket = self.bucket_for(batch)
-    sampling = verify_lib.SamplingParams.make(batch, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, batch)
-    stop_sets = [set(stop_tokens[r][stop_valid[r]].tolist()) for r in range(batch)]
-
+    count = len(prompts)
+    sampling = verify_lib.SamplingParams.make(count, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, count)
+    requests = [Request(prompt=prompts[i], max_new_tokens=limits[i], sampling=_sampling_rows(sampling, [i], 1),
+                        stop_tokens=stop_tokens[i], stop_valid=stop_valid[i]) for i in range(count)]
+    batch = Batch(self, self.bucket_for(min(count, self.max_batch)))
+    waiting = list(requests)
+    steps: list[StepStats] = []
+    prefill_time = 0.0
     t_start = time.perf_counter()
-    decode = jax.device_put(DecodeState(root=np.zeros((bucket,), np.int32), active=np.zeros((bucket,), bool),
-                                        remaining=np.zeros((bucket,), np.int32)))
-    slots = np.full((bucket,), self.pool.scratch_slot, np.int32)
-    first_tokens = []
+    pending = None
     try:
-      for row, prompt in enumerate(prompts):
-        slots[row], token, decode = self._admit(
-            prompt, row, decode, _sampling_rows(sampling, [row], 1), stop_tokens[row:row + 1],
-            stop_valid[row:row + 1], limits[row])
-        first_tokens.append(token)
-      out_tokens = [[int(t[0])] for t in jax.device_get(first_tokens)]
-      prefill_time = time.perf_counter() - t_start
-      steps = self._decode_loop(decode, slots, batch, bucket, _sampling_rows(sampling, np.arange(batch), bucket),
-                                np.pad(stop_tokens, ((0, bucket - batch), (0, 0))),
-                                np.pad(stop_valid, ((0, bucket - batch), (0, 0))),
-                                default_budget, budget_schedule, out_tokens, limits, stop_sets)
+      while waiting or batch.num_running or pending is not None:
+        t0 = time.perf_counter()
+        while waiting and batch.free_rows():
+          batch.admit(waiting.pop(0))
+        prefill_time += time.perf_counter() - t0
+        dispatched = None
+        if batch.num_running:
+          b = self.check_budget(budget_schedule(len(steps) + (pending is not None))) if budget_schedule else default_budget
+          dispatched = batch.dispatch(b)
+        if pending is not None:
+          steps.append(batch.collect(pending))
+        pending = dispatched
+        if pending is not None and not batch.num_running and not waiting:
+          # Dispatched while the last requests were finishing on the device: it emits nothing.
+          jax.block_until_ready(pending[1])
+          pending = None
     finally:
-      for slot in slots[:batch]:
-        if slot != self.pool.scratch_slot:
-          self.pool.release(int(slot))
-    reasons = ["stop" if toks[-1] in stop_sets[r] else "length" for r, toks in enumerate(out_tokens)]
-    return GenerateResult(tokens=out_tokens, steps=steps, finish_reasons=reasons, prefill_time=prefill_time,
+      batch.close()
+    return GenerateResult(tokens=[r.tokens for r in requests], steps=steps,
+                          finish_reasons=[r.finish_reason for r in requests], prefill_time=prefill_time,
                           decode_time=time.perf_counter() - t_start - prefill_time)
 
-  def _decode_loop(self, decode, slots, batch, bucket, sampling, stop_tokens, stop_valid, default_budget,
-                   budget_schedule, out_tokens, limits, stop_sets):
-    """Dispatches step k + 1 before reading step k; finishing is decided on the device."""
-    active = np.array([len(out_tokens[r]) < limits[r] and out_tokens[r][-1] not in stop_sets[r]
-                       for r in range(batch)])
-    # Per-request inputs that stay fixed for the whole loop go to the device once.
-    slots_dev, sampling, stop_tokens, stop_valid = jax.device_put((slots, sampling, stop_tokens, stop_valid))
-    steps: list[StepStats] = []
-    step_index = 0
-    pending = None  # (budget, StepOutput, host seconds spent dispatching it)
-    last_ready = time.perf_counter()
-    while active.any() or pending is not None:
-      dispatched = None
-      if active.any():
-        host_t0 = time.perf_counter()
-        b = self.check_budget(budget_schedule(step_index)) if budget_schedule else default_budget
-        self.target_cache, self.drafter_state, decode, out = self._aux[("step", bucket, b)](
-            self._params_leaves, self.target_cache, self.drafter_state, decode, slots_dev,
-            sampling, stop_tokens, stop_valid)
-        dispatched = (b, out, time.perf_counter() - host_t0)
-        step_index += 1
-      if pending is not None:
-        b_prev, out_prev, host_prev = pending
-        host = jax.device_get(out_prev)
-        ready = time.perf_counter()
-        stats = StepStats(budget=b_prev, accepted=[], tree_size=[], sibling_accepts=[],
-                          step_time=ready - last_ready, host_time=host_prev,
-                          experts_touched=int(host.experts_touched))
-        last_ready = ready
-        for row in range(batch):
-          n = int(host.num_emitted[row])
-          if n == 0:
-            continue
-          out_tokens[row].extend(int(t) for t in host.emitted[row, :n])
-          stats.accepted.append(int(host.num_accepted[row]))
-          stats.tree_size.append(int(host.tree_size[row]))
-          stats.sibling_accepts.append(int(host.sibling_accepts[row]))
-          if host.finished[row]:
-            active[row] = False
-        self.pool.record_commit(slots[:batch], host.num_accepted[:batch])
-        stats.host_time += time.perf_counter() - ready
-        steps.append(stats)
-      pending = dispatched
-      if dispatched is not None and not active.any():
-        # Every request finished while this step was in flight: it emits nothing.
-        jax.block_until_ready(dispatched[1])
-        pending = None
-    return steps
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One request's inputs and, as it runs, its output."""
+
+  prompt: np.ndarray
+  max_new_tokens: int
+  sampling: verify_lib.SamplingParams  # one row (numpy)
+  stop_tokens: np.ndarray  # int32[max_stop_tokens]
+  stop_valid: np.ndarray  # bool[max_stop_tokens]
+  tokens: list = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None  # "stop" or "length" once finished
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+  def finish(self) -> None:
+    stops = set(self.stop_tokens[self.stop_valid].tolist())
+    self.finish_reason = "stop" if self.tokens and self.tokens[-1] in stops else "length"
+
+
+class Batch:
+  """A running batch of one compiled bucket: requests join free rows and leave when finished.
+
+  The host dispatches step k + 1 before it reads step k (``dispatch`` then ``collect``); a row
+  that finished on the device during step k + 1 simply emits nothing there. Finished requests
+  free their cache slot at once; a new request may take the row before the next dispatch.
+  """
+
+  def __init__(self, decoder: "SpeculativeDecoder", bucket: int):
+    self.decoder = decoder
+    self.bucket = bucket
+    self.rows: list[Request | None] = [None] * bucket
+    self.slots = np.full((bucket,), decoder.pool.scratch_slot, np.int32)
+    zeros = lambda dtype: np.zeros((bucket,), dtype)
+    self.sampling = verify_lib.SamplingParams(temperature=zeros(np.float32), top_k=zeros(np.int32),
+                                              top_p=np.ones((bucket,), np.float32), seed=zeros(np.uint32))
+    self.stop_tokens = np.zeros((bucket, decoder.max_stop_tokens), np.int32)
+    self.stop_valid = np.zeros((bucket, decoder.max_stop_tokens), bool)
+    self.decode = jax.device_put(DecodeState(root=zeros(np.int32), active=zeros(bool), remaining=zeros(np.int32)))
+    self._device_inputs = None  # slots, sampling and stops on the device, refreshed when rows change
+    self._last_ready = None  # when the previous step's results were read (step wall time)
+
+  @property
+  def num_running(self) -> int:
+    return sum(r is not None for r in self.rows)
+
+  def free_rows(self) -> list[int]:
+    return [i for i, r in enumerate(self.rows) if r is None]
+
+  def admit(self, request: Request) -> None:
+    """Prefills ``request`` into a free row (its first token comes from the prefill logits)."""
+    row = self.free_rows()[0]
+    slot, token, self.decode = self.decoder._admit(  # pylint: disable=protected-access
+        request.prompt, row, self.decode, request.sampling, request.stop_tokens[None], request.stop_valid[None],
+        request.max_new_tokens)
+    request.tokens.append(int(jax.device_get(token)[0]))
+    if len(request.tokens) >= request.max_new_tokens or not self._keeps_going(request):
+      request.finish()
+      self.decoder.pool.release(slot)
+      return
+    self.rows[row] = request
+    self.slots[row] = slot
+    for field in ("temperature", "top_k", "top_p", "seed"):
+      getattr(self.sampling, field)[row] = getattr(request.sampling, field)[0]
+    self.stop_tokens[row], self.stop_valid[row] = request.stop_tokens, request.stop_valid
+    self._device_inputs = None
+
+  @staticmethod
+  def _keeps_going(request: Request) -> bool:
+    return request.tokens[-1] not in set(request.stop_tokens[request.stop_valid].tolist())
+
+  def dispatch(self, budget: int):
+    """Enqueues one step; returns a handle for ``collect``. Never waits on the device."""
+    host_t0 = time.perf_counter()
+    if self._last_ready is None:
+      self._last_ready = host_t0
+    if self._device_inputs is None:
+      self._device_inputs = jax.device_put((self.slots, self.sampling, self.stop_tokens, self.stop_valid))
+    d = self.decoder
+    d.target_cache, d.drafter_state, self.decode, out = d._aux[("step", self.bucket, budget)](  # pylint: disable=protected-access
+        d._params_leaves, d.target_cache, d.drafter_state, self.decode, *self._device_inputs)  # pylint: disable=protected-access
+    return budget, out, list(self.rows), self.slots.copy(), time.perf_counter() - host_t0
+
+  def collect(self, handle) -> StepStats:
+    """Reads a dispatched step's tokens (waiting for it), finishes and releases requests."""
+    budget, out, rows, slots, host_time = handle
+    host = jax.device_get(out)
+    ready = time.perf_counter()
+    stats = StepStats(budget=budget, accepted=[], tree_size=[], sibling_accepts=[],
+                      step_time=ready - self._last_ready, host_time=host_time,
+                      experts_touched=int(host.experts_touched))
+    self._last_ready = ready
+    owned = slots != self.decoder.pool.scratch_slot
+    self.decoder.pool.record_commit(slots[owned], host.num_accepted[owned])
+    for row, request in enumerate(rows):
+      n = int(host.num_emitted[row])
+      if request is None or n == 0:
+        continue
+      request.tokens.extend(int(t) for t in host.emitted[row, :n])
+      stats.accepted.append(int(host.num_accepted[row]))
+      stats.tree_size.append(int(host.tree_size[row]))
+      stats.sibling_accepts.append(int(host.sibling_accepts[row]))
+      if host.finished[row]:
+        request.finish()
+        self.decoder.pool.release(int(slots[row]))
+        self.rows[row] = None
+        self.slots[row] = self.decoder.pool.scratch_slot
+        self._device_inputs = None
+    stats.host_time += time.perf_counter() - ready
+    return stats
+
+  def close(self) -> None:
+    """Releases the slots of requests still running (after an error or an abandoned run)."""
+    for row, request in enumerate(self.rows):
+      if request is not None:
+        self.decoder.pool.release(int(self.slots[row]))
+        self.rows[row] = None
+        self.slots[row] = self.decoder.pool.scratch_slot
