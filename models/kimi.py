@@ -137,6 +137,10 @@ class MLAttention(nnx.Module):
     compressed = self.kv_a_proj_with_mqa(x)  # [B, Q, R + P]
     c_kv = self.kv_a_layernorm(compressed[..., :r])
     k_pe = apply_rope(compressed[..., None, r:], window.positions, cfg)[:, :, 0]
+    # Padded rows' latents are zeroed: masked columns get probability 0, but 0 * NaN is NaN, so
+    # garbage in a padded row (whatever produced it) must never reach a real row's sum.
+    c_kv = jnp.where(window.valid[..., None], c_kv, 0)
+    k_pe = jnp.where(window.valid[..., None], k_pe, 0)
     if c_kv_pool is None:
       # No cache (training): the window attends to its own latents, as a pool of one slot per row.
       attend_c_kv, attend_k_pe = c_kv, k_pe
@@ -249,7 +253,10 @@ class MoE(nnx.Module):
                                 "(pallas_kernels/moe.py), which is not written yet; use 'xla'")
     y = routed_experts(tokens[token_of_row], group_sizes, self.experts_gate[...],
                        self.experts_up[...], self.experts_down[...])
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    # Rows past sum(group_sizes) (padded tokens) are zero by ragged_dot's contract; `where` keeps
+    # them zero (and finite) even for a kernel that leaves them unwritten.
+    routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)
+    y = jnp.where(routed[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     out = jnp.zeros((b * q, h), jnp.float32).at[token_of_row].add(y)
     if self.shared_experts is not None:
       out = out + self.shared_experts(tokens).astype(jnp.float32)

@@ -47,15 +47,16 @@ def test_demo_pair_lossless_and_accepted_on_gpu(dtype):
 def run_pair(dtype):
   target, drafter, params = pair(dtype)
   ps = prompts()
-  max_len = 128 + MAX_NEW + 17
+  max_len = 128 + MAX_NEW + 65
   reference = greedy_reference(target, ps, MAX_NEW, max_len)
   taus = {}
-  for policy, budget in (("chain", 8), ("ddtree", 16)):
+  # Budgets 32 and 64 as well: the bf16 benchmark saw unexplained divergences there (README).
+  for policy, budget in (("chain", 8), ("ddtree", 16), ("chain", 32), ("ddtree", 64)):
     dec = engine.SpeculativeDecoder(target, drafter, params, policy=policy, budgets=(budget,),
                                     batch_buckets=(NUM_PROMPTS,), max_len=max_len, show_progress=False)
     result = dec.generate(ps, MAX_NEW, stop_token_ids=[])
     ties = check_near_ties(result.tokens, *reference, dtype=dtype, context=f"{policy}/{budget}/{dtype}")
-    taus[policy] = result.mean_accepted_length
+    taus[policy] = max(taus.get(policy, 0.0), result.mean_accepted_length)
     print(f"{dtype} {policy} budget {budget}: tau {taus[policy]:.2f}, near ties {ties}")
   # Floors under what the pair reaches on the CPU in float32 (ddtree 16: 3.84 over 48 tokens of
   # these prompts, tests/ddtree_jax/test_demo_pair.py): a broken drafter sits near 1.
