@@ -165,7 +165,7 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--plot", action="store_true", help="also write the PNG (needs matplotlib)")
+  parser.add_argument("--plot", action="store_true", help="also write the PNG (pip install -e '.[bench]')")
   parser.add_argument("--replot", default=None, help="only redraw md/png from an existing JSON")
   args = parser.parse_args(argv)
   out = Path(args.out)
