@@ -17,20 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-  """Latent cache pool.
-
-  Attributes:
-    c_kv: [num_layers, num_slots + 1, max_len, kv_lora_rank], after kv_a_layernorm.
-    k_pe: [num_layers, num_slots + 1, max_len, qk_rope_head_dim], roped.
-    lengths: int32[num_slots + 1], committed tokens per slot (the scratch slot stays 0).
-  """
-
-  c_kv: jax.Array
-  k_pe: jax.Array
-  lengths: jax.Array
+class SlotPooled:
+  """Shape facts shared by slot-pooled caches: ``lengths`` has one entry per slot plus the
+  scratch slot, and the first array field is ``[layers, slots + 1, max_len, ...]``."""
 
   @property
   def num_slots(self) -> int:
@@ -43,7 +32,23 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.c_kv.shape[2]
+    return getattr(self, dataclasses.fields(self)[0].name).shape[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache(SlotPooled):
+  """Latent cache pool.
+
+  Attributes:
+    c_kv: [num_layers, num_slots + 1, max_len, kv_lora_rank], after kv_a_layernorm.
+    k_pe: [num_layers, num_slots + 1, max_len, qk_rope_head_dim], roped.
+    lengths: int32[num_slots + 1], committed tokens per slot (the scratch slot stays 0).
+  """
+
+  c_kv: jax.Array
+  k_pe: jax.Array
+  lengths: jax.Array
 
 
 def init_cache(config, num_slots: int, max_len: int, dtype=None) -> KVCache:

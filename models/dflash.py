@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.cache import SlotPooled
 from models.config import ConfigError, KimiConfig
 from models.kimi import RMSNorm
 
@@ -451,7 +452,7 @@ def _scan_layers(model: DFlashModel, body, carry, xs):
 # ---------------------------------------------------------------------------------------------
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DFlashCache:
+class DFlashCache(SlotPooled):
   """Per-slot context keys/values (the drafter's only persistent state).
 
   Attributes:
@@ -464,18 +465,6 @@ class DFlashCache:
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
-
-  @property
-  def num_slots(self) -> int:
-    return self.lengths.shape[0] - 1
-
-  @property
-  def scratch_slot(self) -> int:
-    return self.lengths.shape[0] - 1
-
-  @property
-  def max_len(self) -> int:
-    return self.k.shape[2]
 
 
 def init_cache(cfg: DFlashConfig, num_slots: int, max_len: int, dtype=None) -> DFlashCache:
