@@ -163,6 +163,16 @@ def set_row(decode: DecodeState, row, new: DecodeState) -> DecodeState:
   return jax.tree.map(lambda full, one: full.at[row].set(one), decode, new)
 
 
+def regather_rows(decode: DecodeState, source_rows, keep) -> DecodeState:
+  """A batch of another bucket size: row i takes ``decode[source_rows[i]]``, inactive unless ``keep[i]``.
+
+  Args:
+    source_rows: int32[B_new] rows of the old batch; keep: bool[B_new].
+  """
+  taken = jax.tree.map(lambda a: a[source_rows], decode)
+  return dataclasses.replace(taken, active=taken.active & keep)
+
+
 @dataclasses.dataclass
 class StepStats:
   """Per-step statistics of ``generate`` (lists hold one entry per active request).
@@ -228,6 +238,8 @@ class SpeculativeDecoder:
       ``policy_options`` are bound to it.
     budgets: the budgets to compile (0 = autoregressive); ``generate`` may use any of them.
     batch_buckets: batch sizes to compile; a batch runs in the smallest bucket that holds it.
+    bucket_budgets: optional ``{bucket: budget or [budgets]}``: compile only these steps (a server
+      that picks the budget by batch size needs one per bucket); default every bucket x budget.
     max_len: cache columns per slot (prompt + generated + one verify window must fit).
     num_slots: cache slots (at least the largest bucket).
     prefill_chunk: prompt chunk size (one compiled prefill per chunk size).
@@ -238,7 +250,7 @@ class SpeculativeDecoder:
 
   def __init__(self, target: KimiModel, drafter, drafter_params=None, *, policy="ddtree",
                policy_options: dict | None = None, budgets: Sequence[int] = (0, 8),
-               batch_buckets: Sequence[int] = (1,), max_len: int = 1024, num_slots: int | None = None,
+               batch_buckets: Sequence[int] = (1,), bucket_budgets: dict | None = None, max_len: int = 1024, num_slots: int | None = None,
                prefill_chunk: int = 64, compile_cache_dir: str | None = None, max_stop_tokens: int = 4,
                show_progress: bool = True, eager: bool = False):
     if compile_cache_dir:
@@ -257,6 +269,7 @@ class SpeculativeDecoder:
       raise EngineError(f"batch_buckets must be positive ints, got {list(batch_buckets)}")
     self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
     self.max_batch = self.batch_buckets[-1]
+    self.step_shapes = self._step_shapes(bucket_budgets)
     self.num_slots = num_slots or self.max_batch
     if self.num_slots < self.max_batch:
       raise EngineError(f"num_slots={self.num_slots} is smaller than the largest batch bucket {self.max_batch}")
@@ -293,10 +306,26 @@ class SpeculativeDecoder:
     """Compiles ``fn`` for ``specs`` ahead of time (or keeps it uncompiled when eager)."""
     self._aux[key] = fn if self.eager else jax.jit(fn, donate_argnums=donate).lower(*specs).compile()
 
+  def _step_shapes(self, bucket_budgets) -> tuple[tuple[int, int], ...]:
+    """The (bucket, budget) pairs to compile."""
+    if bucket_budgets is None:
+      return tuple((bucket, budget) for bucket in self.batch_buckets for budget in self.budgets)
+    if set(bucket_budgets) != set(self.batch_buckets):
+      raise EngineError(f"bucket_budgets has buckets {sorted(bucket_budgets)}, expected the batch buckets "
+                        f"{list(self.batch_buckets)}")
+    shapes = []
+    for bucket in self.batch_buckets:
+      chosen = bucket_budgets[bucket]
+      for budget in ([chosen] if np.ndim(chosen) == 0 else chosen):
+        if budget not in self.budgets:
+          raise EngineError(f"bucket_budgets[{bucket}] = {budget} is not among budgets {list(self.budgets)}")
+        shapes.append((bucket, int(budget)))
+    return tuple(shapes)
+
   def compile(self, show_progress: bool = True):
     """Compiles every (batch bucket, budget) step and the admission pieces, ahead of time."""
     t0 = time.perf_counter()
-    work = [(bucket, budget) for bucket in self.batch_buckets for budget in self.budgets]
+    work = list(self.step_shapes)
     bar = tqdm(work, desc="compiling steps", disable=not show_progress, leave=False)
     for bucket, budget in bar:
       bar.set_postfix(batch=bucket, budget=budget)
@@ -318,6 +347,10 @@ class SpeculativeDecoder:
                 one(jnp.int32))
     for bucket in self.batch_buckets:
       self._build(("set_row", bucket), set_row, (0,), self._decode_spec(bucket), one(jnp.int32), self._decode_spec(1))
+      for other in self.batch_buckets:
+        if other != bucket:
+          self._build(("regather", bucket, other), regather_rows, (), self._decode_spec(bucket),
+                      self._rows(other, jnp.int32), self._rows(other, jnp.bool_))
     self._build("reset_lengths", cache_lib.reset_slots, (0,), self.target_cache, one(jnp.int32))
     self.compile_seconds += time.perf_counter() - t0
 
@@ -328,7 +361,8 @@ class SpeculativeDecoder:
     raise EngineError(f"batch of {batch_size} exceeds the largest compiled batch bucket {self.max_batch}")
 
   # ---- validation --------------------------------------------------------------------------
-  def check_budget(self, budget) -> int:
+  def check_budget(self, budget, bucket: int | None = None) -> int:
+    """``budget`` as an int if a step was compiled for it (for ``bucket``, when given)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
       raise EngineError(f"budget must be an int, got {budget!r}")
     if budget not in self.budgets:
@@ -336,6 +370,9 @@ class SpeculativeDecoder:
         raise EngineError(f"budget {budget} is above the compiled maximum {max(self.budgets)} "
                           f"(compiled budgets: {list(self.budgets)})")
       raise EngineError(f"budget {budget} was not compiled (compiled budgets: {list(self.budgets)})")
+    if bucket is not None and (bucket, budget) not in self.step_shapes:
+      compiled = sorted(b for k, b in self.step_shapes if k == bucket)
+      raise EngineError(f"budget {budget} was not compiled for batch bucket {bucket} (compiled: {compiled})")
     return int(budget)
 
   def _check_prompts(self, prompts, max_new_tokens):
@@ -387,7 +424,11 @@ class SpeculativeDecoder:
   # ---- admission ---------------------------------------------------------------------------
   def _admit(self, prompt: np.ndarray, row: int, decode: DecodeState, sampling_row, stop_row, stop_valid_row,
              max_new_tokens: int):
-    """Prefills one request into a fresh slot and places it at ``row`` of the batch state."""
+    """Prefills one request into a fresh slot and places it at ``row`` of the batch state.
+
+    Returns (slot, first token int32[1], still active bool[1], decode), all on the device: nothing
+    here waits for the device.
+    """
     slot = self.pool.allocate()
     try:
       return slot, *self._prefill_into(slot, prompt, row, decode, sampling_row, stop_row, stop_valid_row,
@@ -413,7 +454,7 @@ class SpeculativeDecoder:
     token, row_state = self._aux["first"](logits, np.asarray([len(prompt) - 1], np.int32), sampling_row,
                                           stop_row, stop_valid_row, np.asarray([max_new_tokens], np.int32))
     decode = self._aux[("set_row", decode.root.shape[0])](decode, np.asarray([row], np.int32), row_state)
-    return token, decode
+    return token, row_state.active, decode
 
   # ---- generation --------------------------------------------------------------------------
   def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
@@ -441,13 +482,15 @@ class SpeculativeDecoder:
       stop_token_ids: ids that end a request (default: the model's EOS); the stop token is kept.
     """
     prompts, limits = self._check_prompts(prompts, max_new_tokens)
-    default_budget = self.check_budget(max(self.budgets) if budget is None else budget)
     count = len(prompts)
+    bucket = self.bucket_for(min(count, self.max_batch))
+    default_budget = self.check_budget(
+        max(b for k, b in self.step_shapes if k == bucket) if budget is None else budget, bucket)
     sampling = verify_lib.SamplingParams.make(count, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, count)
     requests = [Request(prompt=prompts[i], max_new_tokens=limits[i], sampling=_sampling_rows(sampling, [i], 1),
                         stop_tokens=stop_tokens[i], stop_valid=stop_valid[i]) for i in range(count)]
-    batch = Batch(self, self.bucket_for(min(count, self.max_batch)))
+    batch = Batch(self, bucket)
     waiting = list(requests)
     steps: list[StepStats] = []
     prefill_time = 0.0
@@ -461,7 +504,8 @@ class SpeculativeDecoder:
         prefill_time += time.perf_counter() - t0
         dispatched = None
         if batch.num_running:
-          b = self.check_budget(budget_schedule(len(steps) + (pending is not None))) if budget_schedule else default_budget
+          b = (self.check_budget(budget_schedule(len(steps) + (pending is not None)), bucket) if budget_schedule
+               else default_budget)
           dispatched = batch.dispatch(b)
         if pending is not None:
           steps.append(batch.collect(pending))
@@ -487,7 +531,13 @@ class Request:
   stop_tokens: np.ndarray  # int32[max_stop_tokens]
   stop_valid: np.ndarray  # bool[max_stop_tokens]
   tokens: list = dataclasses.field(default_factory=list)
-  finish_reason: str | None = None  # "stop" or "length" once finished
+  # "stop" or "length" once finished; "cancelled" when ``Batch.cancel`` ended it (a caller may
+  # pass its own reason, for example "stop" for a stop string the host found).
+  finish_reason: str | None = None
+  slot: int | None = None  # its cache slot while it runs
+  # The first token and whether the request goes on after it, on the device until the first
+  # ``collect`` that covers the request reads them (admission never waits for the device).
+  first: tuple | None = None
 
   @property
   def finished(self) -> bool:
@@ -504,6 +554,8 @@ class Batch:
   The host dispatches step k + 1 before it reads step k (``dispatch`` then ``collect``); a row
   that finished on the device during step k + 1 simply emits nothing there. Finished requests
   free their cache slot at once; a new request may take the row before the next dispatch.
+  ``cancel`` ends a request at any time and ``resize`` moves the running rows to another bucket;
+  neither waits for the device, and a step still in flight is read back by request, not by row.
   """
 
   def __init__(self, decoder: "SpeculativeDecoder", bucket: int):
@@ -524,20 +576,19 @@ class Batch:
   def num_running(self) -> int:
     return sum(r is not None for r in self.rows)
 
+  def running(self) -> list[Request]:
+    return [r for r in self.rows if r is not None]
+
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
 
   def admit(self, request: Request) -> None:
-    """Prefills ``request`` into a free row (its first token comes from the prefill logits)."""
+    """Prefills ``request`` into a free row; its first token is read by the next ``collect``."""
     row = self.free_rows()[0]
-    slot, token, self.decode = self.decoder._admit(  # pylint: disable=protected-access
+    slot, token, active, self.decode = self.decoder._admit(  # pylint: disable=protected-access
         request.prompt, row, self.decode, request.sampling, request.stop_tokens[None], request.stop_valid[None],
         request.max_new_tokens)
-    request.tokens.append(int(jax.device_get(token)[0]))
-    if len(request.tokens) >= request.max_new_tokens or not self._keeps_going(request):
-      request.finish()
-      self.decoder.pool.release(slot)
-      return
+    request.slot, request.first = slot, (token, active)
     self.rows[row] = request
     self.slots[row] = slot
     for field in ("temperature", "top_k", "top_p", "seed"):
@@ -545,9 +596,54 @@ class Batch:
     self.stop_tokens[row], self.stop_valid[row] = request.stop_tokens, request.stop_valid
     self._device_inputs = None
 
-  @staticmethod
-  def _keeps_going(request: Request) -> bool:
-    return request.tokens[-1] not in set(request.stop_tokens[request.stop_valid].tolist())
+  def _leave(self, request: Request) -> None:
+    """Frees the request's row and slot (it has finished or was cancelled)."""
+    row = self.rows.index(request)
+    self.decoder.pool.release(request.slot)
+    request.slot = None
+    self.rows[row] = None
+    self.slots[row] = self.decoder.pool.scratch_slot
+    self._device_inputs = None
+    return row
+
+  def cancel(self, request: Request, reason: str = "cancelled") -> None:
+    """Ends a running request now: its row stops on the device and its slot is free at once.
+
+    A step already in flight may still compute the row; ``collect`` drops what it emits, and the
+    slot's next owner resets it in a prefill that the device runs after that step.
+    """
+    if request.finished:
+      return
+    request.finish_reason = reason
+    row = self._leave(request)
+    stopped = DecodeState(root=np.zeros((1,), np.int32), active=np.zeros((1,), bool),
+                          remaining=np.zeros((1,), np.int32))
+    self.decode = self.decoder._aux[("set_row", self.bucket)](  # pylint: disable=protected-access
+        self.decode, np.asarray([row], np.int32), stopped)
+
+  def resize(self, bucket: int) -> None:
+    """Moves the running rows to a batch of ``bucket`` rows (compiled steps exist for each bucket)."""
+    if bucket == self.bucket:
+      return
+    running = [i for i, r in enumerate(self.rows) if r is not None]
+    if len(running) > bucket:
+      raise EngineError(f"cannot resize a batch of {len(running)} running requests to {bucket} rows")
+    source = np.zeros((bucket,), np.int32)
+    source[:len(running)] = running
+    keep = np.arange(bucket) < len(running)
+    self.decode = self.decoder._aux[("regather", self.bucket, bucket)](  # pylint: disable=protected-access
+        self.decode, source, keep)
+    pick = lambda a, fill: np.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a[source], fill)
+    self.rows = [self.rows[i] for i in running] + [None] * (bucket - len(running))
+    self.slots = pick(self.slots, self.decoder.pool.scratch_slot).astype(np.int32)
+    self.sampling = verify_lib.SamplingParams(
+        temperature=pick(self.sampling.temperature, 0.0).astype(np.float32),
+        top_k=pick(self.sampling.top_k, 0).astype(np.int32), top_p=pick(self.sampling.top_p, 1.0).astype(np.float32),
+        seed=pick(self.sampling.seed, 0).astype(np.uint32))
+    self.stop_tokens = pick(self.stop_tokens, 0).astype(np.int32)
+    self.stop_valid = pick(self.stop_valid, False)
+    self.bucket = bucket
+    self._device_inputs = None
 
   def dispatch(self, budget: int):
     """Enqueues one step; returns a handle for ``collect``. Never waits on the device."""
@@ -557,24 +653,37 @@ class Batch:
     if self._device_inputs is None:
       self._device_inputs = jax.device_put((self.slots, self.sampling, self.stop_tokens, self.stop_valid))
     d = self.decoder
-    d.target_cache, d.drafter_state, self.decode, out = d._aux[("step", self.bucket, budget)](  # pylint: disable=protected-access
+    step = d._aux.get(("step", self.bucket, budget))  # pylint: disable=protected-access
+    if step is None:
+      d.check_budget(budget, self.bucket)  # raises, naming what was compiled
+    d.target_cache, d.drafter_state, self.decode, out = step(
         d._params_leaves, d.target_cache, d.drafter_state, self.decode, *self._device_inputs)  # pylint: disable=protected-access
     return budget, out, list(self.rows), self.slots.copy(), time.perf_counter() - host_t0
 
   def collect(self, handle) -> StepStats:
     """Reads a dispatched step's tokens (waiting for it), finishes and releases requests."""
     budget, out, rows, slots, host_time = handle
-    host = jax.device_get(out)
+    firsts = {row: r.first for row, r in enumerate(rows) if r is not None and r.first is not None}
+    host, firsts = jax.device_get((out, firsts))
     ready = time.perf_counter()
     stats = StepStats(budget=budget, accepted=[], tree_size=[], sibling_accepts=[],
                       step_time=ready - self._last_ready, host_time=host_time,
                       experts_touched=int(host.experts_touched))
     self._last_ready = ready
-    owned = slots != self.decoder.pool.scratch_slot
-    self.decoder.pool.record_commit(slots[owned], host.num_accepted[owned])
     for row, request in enumerate(rows):
+      if request is None or request.finished:  # an empty row, or one cancelled since the dispatch
+        continue
+      if row in firsts:
+        token, active = firsts[row]
+        request.first = None
+        request.tokens.append(int(token[0]))
+        if not active[0]:  # the first token ended it; the row was inactive in this step
+          request.finish()
+          self._leave(request)
+          continue
+      self.decoder.pool.record_commit([request.slot], [host.num_accepted[row]])
       n = int(host.num_emitted[row])
-      if request is None or n == 0:
+      if n == 0:
         continue
       request.tokens.extend(int(t) for t in host.emitted[row, :n])
       stats.accepted.append(int(host.num_accepted[row]))
@@ -582,17 +691,11 @@ class Batch:
       stats.sibling_accepts.append(int(host.sibling_accepts[row]))
       if host.finished[row]:
         request.finish()
-        self.decoder.pool.release(int(slots[row]))
-        self.rows[row] = None
-        self.slots[row] = self.decoder.pool.scratch_slot
-        self._device_inputs = None
+        self._leave(request)
     stats.host_time += time.perf_counter() - ready
     return stats
 
   def close(self) -> None:
     """Releases the slots of requests still running (after an error or an abandoned run)."""
-    for row, request in enumerate(self.rows):
-      if request is not None:
-        self.decoder.pool.release(int(self.slots[row]))
-        self.rows[row] = None
-        self.slots[row] = self.decoder.pool.scratch_slot
+    for request in self.running():
+      self._leave(request)

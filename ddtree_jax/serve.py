@@ -1,0 +1,70 @@
+"""``python -m ddtree_jax.serve``: an OpenAI-compatible server with speculative decoding.
+
+    python -m ddtree_jax.serve                                   # the bundled demo pair on 127.0.0.1:8000
+    python -m ddtree_jax.serve --spec none                       # plain autoregressive decoding
+    python -m ddtree_jax.serve --budget 1:32,4:16,16:8 --max-batch 16 --api-key secret
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+GET /v1/models, GET /health (200 once warm-up compilation is done), GET /metrics (Prometheus).
+At temperature 0 a speculative server returns exactly the text of ``--spec none`` (the target's
+greedy decoding); at T > 0 it samples the target's distribution.
+"""
+
+import argparse
+import logging
+import sys
+
+from ddtree_jax import policies
+
+
+def parse_args(argv=None):
+  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  defaults = ServeConfig()
+  parser = argparse.ArgumentParser(prog="python -m ddtree_jax.serve", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default=defaults.model, help="bundled model name or checkpoint directory")
+  parser.add_argument("--drafter", default=defaults.drafter, help="bundled drafter name or checkpoint directory")
+  parser.add_argument("--served-model-name", default=None, help="the name clients send as 'model' "
+                      "(default: the model directory's name)")
+  parser.add_argument("--spec", default=defaults.spec, choices=["none", *policies.available_policies()],
+                      help="tree policy; 'none' decodes plainly (autoregressive)")
+  parser.add_argument("--budget", default=defaults.budget,
+                      help="tree budget: an int, or 'size:budget,...' by running batch size (a batch of n uses "
+                           "the first entry with size >= n; the last covers larger batches)")
+  parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="requests decoded together")
+  parser.add_argument("--max-context", type=int, default=defaults.max_context,
+                      help="prompt + generated tokens per request")
+  parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                      help="requests that may wait for a batch row; more get 429")
+  parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="larger bodies get 413")
+  parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "bfloat16", "float32"))
+  parser.add_argument("--prefill-chunk", type=int, default=defaults.prefill_chunk,
+                      help="prompt tokens per compiled prefill chunk")
+  parser.add_argument("--host", default=defaults.host)
+  parser.add_argument("--port", type=int, default=defaults.port)
+  parser.add_argument("--compile-cache-dir", default=None, help="jax's persistent compilation cache")
+  parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/ routes")
+  parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+  args = parser.parse_args(argv)
+  try:
+    config = ServeConfig(model=args.model, drafter=args.drafter, served_model_name=args.served_model_name,
+                         spec=args.spec, budget=args.budget, max_batch=args.max_batch,
+                         max_context=args.max_context, max_queue=args.max_queue,
+                         max_body_bytes=args.max_body_bytes, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+                         compile_cache_dir=args.compile_cache_dir, host=args.host, port=args.port,
+                         api_key=args.api_key)
+  except ValueError as err:
+    parser.error(str(err))
+  return config, args
+
+
+def main(argv=None) -> int:
+  config, args = parse_args(argv)
+  logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  from serve.launch import serve_forever  # pylint: disable=import-outside-toplevel
+  serve_forever(config)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

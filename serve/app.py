@@ -1,0 +1,339 @@
+"""The HTTP side: OpenAI-compatible routes over an ``EngineLoop``.
+
+Handlers validate, build a job, and wait for its events; the engine thread does all device work.
+A request whose client disconnects is cancelled (its cache slot is freed on the engine's next turn).
+"""
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ddtree_jax import engine as engine_lib
+from serve import protocol
+from serve.config import Engine
+from serve.engine_loop import Event, Job, QueueFull
+from serve.protocol import ApiError
+from serve.text import Message, StreamText, TextError
+
+log = logging.getLogger("ddtree_jax.serve")
+
+_DISCONNECT_POLL_S = 0.5
+
+
+class ServerState:
+  """What the routes share: the engine once warm-up has finished (None before), or its error."""
+
+  def __init__(self, *, api_key: str | None = None, max_body_bytes: int = 1 << 20):
+    self.engine: Engine | None = None
+    self.load_error: str | None = None
+    self.api_key = api_key
+    self.max_body_bytes = max_body_bytes
+    self.ready = threading.Event()
+    self.started = time.time()
+
+  def set_engine(self, engine: Engine) -> None:
+    self.engine = engine
+    self.ready.set()
+
+  def require_engine(self) -> Engine:
+    if self.load_error:
+      raise ApiError(503, f"the model failed to load: {self.load_error}")
+    if self.engine is None:
+      raise ApiError(503, "the server is still warming up (compiling); retry when /health is ok")
+    if not self.engine.loop.alive:
+      raise ApiError(503, "the engine thread has stopped")
+    return self.engine
+
+
+def create_app(state: ServerState) -> FastAPI:
+  app = FastAPI(title="ddtree-jax", description="OpenAI-compatible server with DDTree speculative decoding")
+
+  @app.exception_handler(ApiError)
+  async def _api_error(_request: Request, err: ApiError):
+    return JSONResponse(err.body(), status_code=err.status)
+
+  @app.middleware("http")
+  async def _guard(request: Request, call_next):
+    """API key, body size limit, and the request counter, before any route runs."""
+    path = request.url.path
+    try:
+      if state.api_key is not None and path.startswith("/v1/"):
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+          raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                         code="invalid_api_key")
+      length = request.headers.get("content-length")
+      if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+        raise ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {state.max_body_bytes}")
+      response = await call_next(request)
+    except ApiError as err:
+      response = JSONResponse(err.body(), status_code=err.status)
+    if state.engine is not None and path.startswith("/v1/"):
+      state.engine.metrics.requests.labels(path, str(response.status_code)).inc()
+    return response
+
+  @app.get("/health")
+  async def health():
+    if state.load_error:
+      return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
+    if state.engine is None:
+      return JSONResponse({"status": "loading"}, status_code=503)
+    if not state.engine.loop.alive:
+      return JSONResponse({"status": "error", "error": "engine thread stopped"}, status_code=503)
+    return {"status": "ok", "model": state.engine.config.model_name, **state.engine.loop.snapshot()}
+
+  @app.get("/metrics")
+  async def metrics():
+    if state.engine is None:
+      return Response(b"", media_type="text/plain; version=0.0.4")
+    return Response(state.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/v1/models")
+  async def models():
+    eng = state.require_engine()
+    return {"object": "list", "data": [{
+        "id": eng.config.model_name, "object": "model", "created": int(state.started), "owned_by": "ddtree-jax",
+        "max_model_len": eng.max_context, "spec": eng.config.spec}]}
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    eng = state.require_engine()
+    body = protocol_parse(protocol.CompletionRequest, await _read_json(request, state.max_body_bytes))
+    body.check()
+    _check_model(eng, body.model)
+    try:
+      prompt_ids = eng.codec.completion_prompt(body.single_prompt)
+    except TextError as err:
+      raise ApiError(400, str(err), param="prompt") from None
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    prefix = ""
+    if body.echo:
+      prefix = body.single_prompt if isinstance(body.single_prompt, str) else eng.codec.decode(prompt_ids)
+    return await _serve(request, eng, body, prompt_ids, max_tokens, chat=False, echo=prefix)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    eng = state.require_engine()
+    body = protocol_parse(protocol.ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
+    body.check()
+    _check_model(eng, body.model)
+    try:
+      prompt_ids = eng.codec.chat_prompt([Message(m.role, m.text) for m in body.messages])
+    except TextError as err:
+      raise ApiError(400, str(err), param="messages") from None
+    max_tokens = body.token_limit
+    if max_tokens is None:
+      max_tokens = eng.max_context - len(prompt_ids)
+      if max_tokens <= 0:
+        raise ApiError(400, f"the messages take {len(prompt_ids)} tokens, which leaves no room in the "
+                       f"{eng.max_context}-token context", param="messages")
+    return await _serve(request, eng, body, prompt_ids, max_tokens, chat=True)
+
+  return app
+
+
+def protocol_parse(model, obj):
+  try:
+    return model.model_validate(obj)
+  except pydantic.ValidationError as err:
+    raise protocol.validation_error(err) from None
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+  """The body as JSON, read up to ``limit`` bytes (413 beyond, also without a Content-Length)."""
+  chunks, size = [], 0
+  async for chunk in request.stream():
+    size += len(chunk)
+    if size > limit:
+      raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+    chunks.append(chunk)
+  raw = b"".join(chunks)
+  try:
+    obj = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise ApiError(400, f"malformed JSON body: {err}") from None
+  if not isinstance(obj, dict):
+    raise ApiError(400, "the request body must be a JSON object")
+  return obj
+
+
+def _check_model(eng: Engine, model: str | None) -> None:
+  if model is not None and model != eng.config.model_name:
+    raise ApiError(404, f"the model '{model}' does not exist; this server serves '{eng.config.model_name}'",
+                   param="model", code="model_not_found")
+
+
+def _stop_ids(eng: Engine, body, chat: bool) -> list[int]:
+  ids = [] if body.ignore_eos else [eng.codec.eos_token_id]
+  if chat and not body.ignore_eos:
+    ids += list(eng.codec.chat_stop_ids)
+  for t in body.stop_token_ids or []:
+    if not 0 <= t < eng.codec.vocab_size:
+      raise ApiError(400, f"stop_token_ids: {t} is outside [0, {eng.codec.vocab_size})", param="stop_token_ids")
+    ids.append(t)
+  ids = list(dict.fromkeys(ids))
+  limit = eng.loop.decoder.max_stop_tokens
+  if len(ids) > limit:
+    raise ApiError(400, f"stop_token_ids: {len(ids)} stop ids (the model's own included) exceed this server's "
+                   f"limit of {limit}", param="stop_token_ids")
+  return ids
+
+
+def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: bool, sink) -> Job:
+  context = eng.max_context
+  if len(prompt_ids) + max_tokens > context:
+    raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
+                   f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} ({len(prompt_ids) + max_tokens} "
+                   "in all)", param="max_tokens" if len(prompt_ids) < context else "prompt",
+                   code="context_length_exceeded")
+  temperature = 1.0 if body.temperature is None else body.temperature
+  seed = body.seed if body.seed is not None else secrets.randbits(32)
+  top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+  try:
+    request = eng.loop.decoder.request(prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
+                                       stop_token_ids=_stop_ids(eng, body, chat))
+  except engine_lib.EngineError as err:
+    raise ApiError(400, str(err)) from None
+  return Job(request=request, text=StreamText(eng.codec, body.stop_strings), sink=sink)
+
+
+async def _serve(request: Request, eng: Engine, body, prompt_ids, max_tokens, *, chat: bool, echo: str = ""):
+  loop = asyncio.get_running_loop()
+  events: asyncio.Queue[Event] = asyncio.Queue()
+
+  def sink(event: Event) -> None:  # runs on the engine thread
+    try:
+      loop.call_soon_threadsafe(events.put_nowait, event)
+    except RuntimeError:  # the HTTP event loop has closed (shutdown); nobody is listening
+      pass
+
+  job = _make_job(eng, body, prompt_ids, max_tokens, chat, sink)
+  try:
+    eng.loop.submit(job)
+  except QueueFull as err:
+    raise ApiError(429, str(err)) from None
+  reply = _Reply(eng, body, job, prompt_ids, chat)
+  try:
+    first = await _next_event(request, events, eng, job)
+    if first.error:
+      raise ApiError(500, first.error)
+    if not body.stream:
+      parts, event = [echo, first.text], first
+      while event.finish_reason is None:
+        event = await _next_event(request, events, eng, job)
+        if event.error:
+          raise ApiError(500, event.error)
+        parts.append(event.text)
+      return reply.full("".join(parts), event)
+  except _ClientGone:
+    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+  except BaseException:
+    eng.loop.cancel(job)  # a no-op for a job that has ended
+    raise
+  return StreamingResponse(_stream(request, events, eng, job, reply, first, echo), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _ClientGone(Exception):
+  pass
+
+
+async def _next_event(request: Request, events: asyncio.Queue, eng: Engine, job: Job) -> Event:
+  """The job's next event; cancels the job if the client disconnects while waiting."""
+  while True:
+    try:
+      return await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+    except asyncio.TimeoutError:
+      if await request.is_disconnected():
+        eng.loop.cancel(job)
+        raise _ClientGone() from None
+      if not eng.loop.alive:
+        raise ApiError(503, "the engine thread has stopped") from None
+
+
+async def _stream(request, events, eng: Engine, job: Job, reply: "_Reply", first: Event, echo: str) -> AsyncIterator[str]:
+  finished = False
+  try:
+    yield _sse(reply.chunk(echo, None, role=True))
+    event = first
+    while True:
+      if event.error:
+        yield _sse(ApiError(500, event.error).body())
+        finished = True
+        break
+      if event.text or event.finish_reason:
+        yield _sse(reply.chunk(event.text, event.finish_reason, token_ids=event.token_ids))
+      if event.finish_reason is not None:
+        finished = True
+        if reply.body.include_usage:
+          yield _sse(reply.usage_chunk(event))
+        break
+      event = await _next_event(request, events, eng, job)
+    yield "data: [DONE]\n\n"
+  except _ClientGone:
+    pass
+  finally:
+    if not finished:  # the client went away (or the server is stopping): free the slot now
+      eng.loop.cancel(job)
+
+
+def _sse(obj) -> str:
+  return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Reply:
+  """OpenAI response bodies for one request."""
+
+  def __init__(self, eng: Engine, body, job: Job, prompt_ids, chat: bool):
+    self.body = body
+    self.chat = chat
+    self.model = eng.config.model_name
+    self.prompt_tokens = len(prompt_ids)
+    self.created = int(time.time())
+    self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    self._sent_token_ids = 0
+
+  def usage(self, event: Event) -> dict:
+    return {"prompt_tokens": self.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": self.prompt_tokens + event.completion_tokens}
+
+  def full(self, text: str, last: Event) -> dict:
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+    if self.chat:
+      choice["message"] = {"role": "assistant", "content": text}
+    else:
+      choice["text"] = text
+    if self.body.return_token_ids:
+      choice["token_ids"] = list(last.token_ids)
+    return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(last)}
+
+  def chunk(self, text: str, finish_reason: str | None, *, role: bool = False, token_ids=()) -> dict:
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    if self.chat:
+      choice["delta"] = ({"role": "assistant", "content": text} if role else
+                         ({"content": text} if text else {}))
+    else:
+      choice["text"] = text
+    if self.body.return_token_ids and token_ids:
+      choice["token_ids"] = list(token_ids[self._sent_token_ids:])
+      self._sent_token_ids = len(token_ids)
+    out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+           "created": self.created, "model": self.model, "choices": [choice]}
+    if self.body.include_usage:
+      out["usage"] = None
+    return out
+
+  def usage_chunk(self, last: Event) -> dict:
+    return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": [], "usage": self.usage(last)}

@@ -1,0 +1,118 @@
+"""Server settings and the warm-up that turns them into a running engine."""
+
+import dataclasses
+import logging
+import time
+
+import jax
+
+from ddtree_jax import drafters, engine, policies
+from models import dflash, loading
+from serve.engine_loop import BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env
+from serve.metrics import Metrics
+from serve.text import TextCodec
+
+log = logging.getLogger("ddtree_jax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """What ``python -m ddtree_jax.serve`` is told (see its ``--help``).
+
+  Attributes:
+    model, drafter: bundled names or checkpoint directories.
+    served_model_name: the name clients send as ``model`` (default: the model's name).
+    spec: ``none`` (plain autoregressive decoding) or a registered tree policy.
+    budget: the budget table (``BudgetTable.parse``); ignored for ``spec="none"``.
+    max_batch: requests decoded together (rows of the largest compiled batch).
+    max_context: prompt + generated tokens per request.
+    max_queue: requests that may wait for a row before new ones get 429.
+    max_body_bytes: request bodies above this get 413.
+    dtype: ``auto`` (as stored), ``bfloat16`` or ``float32``.
+    prefill_chunk: tokens per compiled prefill chunk.
+    api_key: when set, requests need ``Authorization: Bearer <api_key>``.
+  """
+
+  model: str = "kimi-demo"
+  drafter: str = "kimi-demo-dflash"
+  served_model_name: str | None = None
+  spec: str = "ddtree"
+  budget: str = "1:32,4:16,16:8,64:4"
+  max_batch: int = 16
+  max_context: int = 1024
+  max_queue: int = 256
+  max_body_bytes: int = 1 << 20
+  max_stop_ids: int = 8
+  dtype: str = "auto"
+  prefill_chunk: int = 64
+  prefill_tokens_per_turn: int = 2048
+  compile_cache_dir: str | None = None
+  host: str = "127.0.0.1"
+  port: int = 8000
+  api_key: str | None = None
+  faults: str | None = None  # DDTREE_JAX_FAULTS syntax; tests only
+
+  def __post_init__(self):
+    for name in ("max_batch", "max_context", "prefill_chunk", "max_body_bytes", "max_stop_ids",
+                 "prefill_tokens_per_turn"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.max_queue < 0:
+      raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+    if self.spec != "none" and self.spec not in policies.available_policies():
+      raise ValueError(f"spec {self.spec!r}: expected 'none' or one of {policies.available_policies()}")
+    if self.dtype not in ("auto", "bfloat16", "float32"):
+      raise ValueError(f"dtype {self.dtype!r}: expected auto, bfloat16 or float32")
+    BudgetTable.parse(self.budget)
+
+  @property
+  def model_name(self) -> str:
+    return self.served_model_name or str(self.model).rstrip("/").split("/")[-1]
+
+  @property
+  def budget_table(self) -> BudgetTable:
+    return BudgetTable((( 1, 0),)) if self.spec == "none" else BudgetTable.parse(self.budget)
+
+
+@dataclasses.dataclass
+class Engine:
+  """A warmed-up server engine: the loop, the text codec and the metrics."""
+
+  loop: EngineLoop
+  codec: TextCodec
+  metrics: Metrics
+  config: ServeConfig
+  max_context: int
+  warmup_seconds: float
+
+
+def build_engine(config: ServeConfig) -> Engine:
+  """Loads the models and compiles every step shape the server can run (the warm-up)."""
+  t0 = time.perf_counter()
+  model_dir = loading.resolve_model_dir(config.model)
+  dtype = {} if config.dtype == "auto" else {"dtype": config.dtype, "param_dtype": config.dtype}
+  target = loading.load_kimi(model_dir, **dtype)
+  codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
+  table = config.budget_table
+  buckets = batch_buckets(config.max_batch)
+  if config.spec == "none":
+    drafter, drafter_params = drafters.RandomDrafter(target.cfg.vocab_size), None
+  else:
+    draft = loading.load_dflash(config.drafter, **dtype)
+    drafter, drafter_params = dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target)
+  budgets = table.budgets
+  max_q_len = max(budgets) + 1
+  metrics = Metrics(max_budget=max(budgets))
+  log.info("compiling %d step shapes (buckets %s, budgets %s) on %s", len(buckets), buckets, budgets,
+           jax.devices()[0].device_kind)
+  decoder = engine.SpeculativeDecoder(
+      target, drafter, drafter_params, policy=config.spec if config.spec != "none" else "chain",
+      budgets=budgets, batch_buckets=buckets, bucket_budgets={b: table.budget_for(b) for b in buckets},
+      max_len=config.max_context + max_q_len, prefill_chunk=min(config.prefill_chunk, config.max_context),
+      compile_cache_dir=config.compile_cache_dir, max_stop_tokens=config.max_stop_ids, show_progress=False)
+  metrics.compile_seconds.set(decoder.compile_seconds)
+  faults = FaultInjector.from_spec(config.faults) if config.faults else fault_injector_from_env()
+  loop = EngineLoop(decoder, table, metrics, max_queue=config.max_queue,
+                    prefill_tokens_per_turn=config.prefill_tokens_per_turn, faults=faults)
+  return Engine(loop=loop, codec=codec, metrics=metrics, config=config, max_context=config.max_context,
+                warmup_seconds=time.perf_counter() - t0)

@@ -1,0 +1,140 @@
+"""Starting a server: warm-up in the background, uvicorn in front (from the CLI or in a thread)."""
+
+import logging
+import socket
+import threading
+import time
+
+import jax
+import numpy as np
+import uvicorn
+
+from serve.app import ServerState, create_app
+from serve.config import Engine, ServeConfig, build_engine
+from serve.engine_loop import Event, Job
+from serve.text import StreamText
+
+log = logging.getLogger("ddtree_jax.serve")
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_watchers: list = []
+
+
+def _on_jax_event(event: str, duration: float, **_kwargs) -> None:
+  # Listeners run on the compiling thread: a compile belongs to the engine whose loop thread it is.
+  if event == _BACKEND_COMPILE_EVENT:
+    for engine in list(_compile_watchers):
+      if engine.loop.is_engine_thread():
+        engine.metrics.compiles_after_warmup.inc()
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+
+
+def warm_up(config: ServeConfig) -> Engine:
+  """Builds the engine, starts its loop and runs one request through it (admission, a step and
+  the read-back run once before the server reports ready). Compiles after this are counted in
+  ``ddtree_compiles_after_warmup``."""
+  engine = build_engine(config)
+  engine.loop.start()
+  done = threading.Event()
+  events: list[Event] = []
+
+  def sink(event: Event) -> None:
+    events.append(event)
+    if event.finish_reason or event.error:
+      done.set()
+
+  request = engine.loop.decoder.request(np.asarray([engine.codec.eos_token_id], np.int32), 2, stop_token_ids=[])
+  engine.loop.submit(Job(request=request, text=StreamText(engine.codec), sink=sink))
+  if not done.wait(600) or events[-1].error:
+    raise RuntimeError(f"warm-up request failed: {events[-1].error if events else 'timed out'}")
+  _compile_watchers.append(engine)
+  return engine
+
+
+def start_warm_up(state: ServerState, config: ServeConfig) -> threading.Thread:
+  """Warms up in a thread so that /health answers (503, loading) meanwhile."""
+
+  def run():
+    t0 = time.perf_counter()
+    try:
+      state.set_engine(warm_up(config))
+    except Exception as err:  # pylint: disable=broad-except
+      log.exception("warm-up failed")
+      state.load_error = f"{type(err).__name__}: {err}"
+      return
+    log.info("ready in %.1f s: %s, spec %s, budget table %s, batch buckets %s", time.perf_counter() - t0,
+             config.model_name, config.spec, state.engine.loop.budgets.entries,
+             state.engine.loop.decoder.batch_buckets)
+
+  thread = threading.Thread(target=run, name="ddtree-warmup", daemon=True)
+  thread.start()
+  return thread
+
+
+class ServerThread:
+  """A server on a background thread (tests, notebooks): ``with ServerThread(config) as s: s.url``.
+
+  Pass ``engine`` to serve an engine that is already warm (several apps may share one).
+  """
+
+  def __init__(self, config: ServeConfig, engine: Engine | None = None, *, wait_ready: bool = True,
+               timeout: float = 900.0):
+    self.config = config
+    self.state = ServerState(api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    self.app = create_app(self.state)
+    self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self._sock.bind((config.host, config.port))
+    self.port = self._sock.getsockname()[1]
+    self.url = f"http://{config.host}:{self.port}"
+    self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_keep_alive=30))
+    self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+    self._thread.start()
+    self._owns_engine = engine is None
+    if engine is not None:
+      self.state.set_engine(engine)
+    else:
+      start_warm_up(self.state, config)
+    if wait_ready:
+      self.wait_ready(timeout)
+
+  @property
+  def engine(self) -> Engine | None:
+    return self.state.engine
+
+  def wait_ready(self, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not self.state.ready.wait(0.2):
+      if self.state.load_error:
+        raise RuntimeError(f"server warm-up failed: {self.state.load_error}")
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"server not ready after {timeout} s")
+
+  def close(self) -> None:
+    self.server.should_exit = True
+    self._thread.join(30)
+    if self._owns_engine and self.state.engine is not None:
+      self.state.engine.loop.shutdown()
+      if self.state.engine in _compile_watchers:
+        _compile_watchers.remove(self.state.engine)
+    self._sock.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def serve_forever(config: ServeConfig) -> None:
+  """The CLI's server: warm-up in the background, uvicorn in the foreground until interrupted."""
+  state = ServerState(api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+  app = create_app(state)
+  start_warm_up(state, config)
+  try:
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=30)
+  finally:
+    if state.engine is not None:
+      state.engine.loop.shutdown()

@@ -1,0 +1,209 @@
+"""OpenAI request bodies, their checks, and error bodies.
+
+Every field a client can send is listed. A field this server cannot honour (log probabilities,
+penalties, logit bias, tools, ``n`` > 1) is refused with 400 when set to anything but its neutral
+value, and an unknown field is refused too: a client's intent is never silently dropped.
+"""
+
+from typing import Annotated, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+class ApiError(Exception):
+  """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None, type_: str | None = None,
+               code: str | None = None):
+    super().__init__(message)
+    self.status = status
+    self.message = message
+    self.param = param
+    self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"
+                          }.get(status, "server_error")
+    self.code = code
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+  """Fields shared by completions and chat completions."""
+
+  model_config = ConfigDict(extra="forbid")
+
+  model: str | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  n: int | None = None
+  seed: int | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
+  ignore_eos: bool = False
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  repetition_penalty: float | None = None
+  logit_bias: dict[str, float] | None = None
+  return_token_ids: bool = False
+  user: str | None = None
+  metadata: dict | None = None
+  store: bool | None = None
+  service_tier: str | None = None
+
+  def check(self, max_stop_strings: int = 16) -> None:
+    """Refuses values this server cannot honour (raises ApiError 400 naming the field)."""
+    if self.temperature is not None and self.temperature < 0:
+      raise ApiError(400, f"temperature must be >= 0, got {self.temperature}", param="temperature")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise ApiError(400, f"top_p must lie in (0, 1], got {self.top_p}", param="top_p")
+    if self.top_k is not None and self.top_k < -1:
+      raise ApiError(400, f"top_k must be -1 or 0 (off) or positive, got {self.top_k}", param="top_k")
+    if self.n not in (None, 1):
+      raise ApiError(400, f"n={self.n} is not supported: this server returns one choice per request", param="n")
+    if self.seed is not None and not 0 <= self.seed < 2**32:
+      raise ApiError(400, f"seed must lie in [0, 2**32), got {self.seed}", param="seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if getattr(self, name) not in (None, 0):
+        raise ApiError(400, f"{name} is not supported (penalties would change the target's distribution per "
+                       "tree node; this server does not apply them)", param=name)
+    if self.repetition_penalty not in (None, 1):
+      raise ApiError(400, "repetition_penalty is not supported (only 1.0)", param="repetition_penalty")
+    if self.logit_bias:
+      raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if self.stream_options is not None and not self.stream:
+      raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    stops = self.stop_strings
+    if len(stops) > max_stop_strings:
+      raise ApiError(400, f"stop: at most {max_stop_strings} stop strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+      raise ApiError(400, "stop: stop strings must not be empty", param="stop")
+
+  @property
+  def stop_strings(self) -> list[str]:
+    if self.stop is None:
+      return []
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+  @property
+  def include_usage(self) -> bool:
+    return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+  prompt: str | list[int] | list[str] | list[list[int]]
+  max_tokens: int | None = 16
+  echo: bool = False
+  logprobs: int | None = None
+  best_of: int | None = None
+  suffix: str | None = None
+
+  def check(self, max_stop_strings: int = 16) -> None:
+    super().check(max_stop_strings)
+    if self.logprobs is not None:
+      raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if self.best_of not in (None, 1):
+      raise ApiError(400, f"best_of={self.best_of} is not supported (only 1)", param="best_of")
+    if self.suffix is not None:
+      raise ApiError(400, "suffix is not supported", param="suffix")
+    if self.max_tokens is not None and self.max_tokens <= 0:
+      raise ApiError(400, f"max_tokens must be positive, got {self.max_tokens}", param="max_tokens")
+
+  @property
+  def single_prompt(self):
+    """The one prompt (a string or a token-id list); a batch of several is refused."""
+    prompt = self.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+      if len(prompt) != 1:
+        raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; send one per request",
+                       param="prompt")
+      prompt = prompt[0]
+    if isinstance(prompt, list) and not prompt:
+      raise ApiError(400, "prompt: empty", param="prompt")
+    return prompt
+
+
+class TextPart(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["text"]
+  text: str
+
+
+class ChatMessage(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  role: str
+  content: str | list[TextPart] | None = None
+  name: str | None = None
+
+  @property
+  def text(self) -> str:
+    if self.content is None:
+      return ""
+    if isinstance(self.content, str):
+      return self.content
+    return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+  messages: Annotated[list[ChatMessage], Field(min_length=1)]
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool | None = None
+  top_logprobs: int | None = None
+  tools: list | None = None
+  tool_choice: str | dict | None = None
+  response_format: dict | None = None
+
+  def check(self, max_stop_strings: int = 16) -> None:
+    super().check(max_stop_strings)
+    if self.logprobs or self.top_logprobs:
+      raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if self.tools:
+      raise ApiError(400, "tools are not supported by this server", param="tools")
+    if self.tool_choice not in (None, "none"):
+      raise ApiError(400, "tool_choice is not supported by this server", param="tool_choice")
+    if self.response_format not in (None, {"type": "text"}):
+      raise ApiError(400, "response_format is not supported (only text)", param="response_format")
+    for name in ("max_tokens", "max_completion_tokens"):
+      value = getattr(self, name)
+      if value is not None and value <= 0:
+        raise ApiError(400, f"{name} must be positive, got {value}", param=name)
+
+  @property
+  def token_limit(self) -> int | None:
+    return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def validation_error(err: pydantic.ValidationError | list) -> ApiError:
+  """The first problem of a body that did not parse, as a 400 naming the field."""
+  errors = err.errors() if isinstance(err, pydantic.ValidationError) else list(err)
+  if not errors:
+    return ApiError(400, "invalid request body")
+  first = errors[0]
+  loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+  # Union types report one error per member; the field path is what the client needs.
+  field = ".".join(p for p in loc if not _is_type_tag(p)) or None
+  kind = first.get("type", "")
+  if kind == "json_invalid":
+    return ApiError(400, f"malformed JSON body: {first.get('msg', '')}", param=None)
+  if kind == "missing":
+    return ApiError(400, f"missing required field '{field}'", param=field)
+  if kind == "extra_forbidden":
+    return ApiError(400, f"unsupported field '{field}'", param=field)
+  if kind in ("model_type", "dict_type") and not field:
+    return ApiError(400, "the request body must be a JSON object", param=None)
+  return ApiError(400, f"invalid value for '{field}': {first.get('msg', 'wrong type')}", param=field)
+
+
+def _is_type_tag(part: str) -> bool:
+  # pydantic names union members in locations, e.g. 'str', 'list[int]', 'function-after[...]'.
+  return part in ("str", "int", "float", "bool", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]",
+                  "dict[str,float]") or "[" in part and part.split("[")[0] in ("list", "dict", "function-after")

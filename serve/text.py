@@ -1,0 +1,191 @@
+"""Text in and out of the server: prompts to token ids, chat templates, streamed detokenisation,
+stop strings.
+
+Special tokens enter a prompt only by id: a user's text that spells ``<|im_end|>`` is encoded as
+those characters, so a message cannot forge a turn boundary. A checkpoint's own Jinja chat
+template (``tokenizer_config.json``'s ``chat_template``) renders to a string whose special-token
+spellings *are* meant as ids; only there are they parsed.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from ddtree_jax.train import tokenizer as tokenizer_lib
+
+# The built-in template (the demo pair's; Kimi's turn format without thinking or tool blocks):
+#   [BOS when the tokenizer adds one]
+#   <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>   per message, then
+#   <|im_assistant|>assistant<|im_middle|>                  to open the reply.
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class TextError(ValueError):
+  """A prompt or message that cannot be encoded; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+  role: str
+  content: str
+
+
+class TextCodec:
+  """A model directory's tokenizer and chat template.
+
+  Args:
+    tokenizer: a ``tokenizers.Tokenizer``.
+    chat_template: a Jinja template string, or None for the built-in Kimi-style template (which
+      needs the ``<|im_*|>`` special tokens in the vocabulary).
+    eos_token_id: the model's end-of-sequence id (a default stop id).
+    bos_token_id: prepended to completion prompts when the model expects it (None: nothing).
+  """
+
+  def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None, eos_token_id: int,
+               bos_token_id: int | None = None, special_tokens: dict | None = None):
+    self.tokenizer = tokenizer
+    self.eos_token_id = eos_token_id
+    self.bos_token_id = bos_token_id
+    self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    self._template = None
+    if chat_template is not None:
+      env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+      env.globals["raise_exception"] = _raise_template_error
+      self._template = env.from_string(chat_template)
+    self._special_tokens = dict(special_tokens or {})
+    self._marker = {name: tokenizer.token_to_id(name) for name in
+                    ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
+    self.chat_stop_ids = tuple(i for i in (self._marker["<|im_end|>"],) if i is not None)
+
+  @classmethod
+  def from_model_dir(cls, directory, *, eos_token_id: int) -> "TextCodec":
+    """Reads ``tokenizer.json`` and, when present, ``tokenizer_config.json``'s chat template."""
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.exists():
+      raise FileNotFoundError(f"{directory} has no tokenizer.json (the server needs one to read text)")
+    tok = tokenizer_lib.load_tokenizer(path)
+    template, bos, special = None, None, {}
+    config_path = directory / "tokenizer_config.json"
+    if config_path.exists():
+      config = json.loads(config_path.read_text())
+      template = config.get("chat_template")
+      if isinstance(template, list):  # HF allows named templates; the default one serves chat
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+      special = {k: v for k, v in config.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+      if config.get("add_bos_token") and special.get("bos_token"):
+        bos = tok.token_to_id(special["bos_token"])
+    codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special)
+    if template is None and any(i is None for i in codec._marker.values()):
+      raise TextError(f"{directory}: no chat template in tokenizer_config.json and no <|im_*|> tokens for the "
+                      "built-in one")
+    return codec
+
+  @property
+  def template_name(self) -> str:
+    return "checkpoint (tokenizer_config.json)" if self._template is not None else "built-in Kimi-style"
+
+  # ---- prompts -----------------------------------------------------------------------------
+  def encode(self, text: str) -> list[int]:
+    """Token ids of ``text`` read literally (no special token parsed)."""
+    return tokenizer_lib.encode(self.tokenizer, text)
+
+  def completion_prompt(self, prompt) -> list[int]:
+    """A completion's prompt (a string, or token ids) as token ids."""
+    if isinstance(prompt, str):
+      ids = self.encode(prompt)
+      if self.bos_token_id is not None:
+        ids = [self.bos_token_id] + ids
+    else:
+      ids = [int(t) for t in prompt]
+      bad = [t for t in ids if not 0 <= t < self.vocab_size]
+      if bad:
+        raise TextError(f"prompt: token id {bad[0]} outside [0, {self.vocab_size})")
+    if not ids:
+      raise TextError("prompt: empty (it must hold at least one token)")
+    return ids
+
+  def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
+    """The prompt of a chat: every message in the template, then the assistant's turn opened."""
+    if not messages:
+      raise TextError("messages: empty (at least one message is needed)")
+    if self._template is not None:
+      text = self._template.render(messages=[dataclasses.asdict(m) for m in messages], add_generation_prompt=True,
+                                   **self._special_tokens)
+      # The template's own special-token spellings are ids; the tokenizer parses them here only.
+      return self.tokenizer.encode(text, add_special_tokens=False).ids
+    ids: list[int] = []
+    for i, message in enumerate(messages):
+      if message.role not in CHAT_ROLES:
+        raise TextError(f"messages[{i}].role: {message.role!r} is not one of {list(CHAT_ROLES)}")
+      ids += [self._marker[f"<|im_{message.role}|>"], *self.encode(message.role), self._marker["<|im_middle|>"],
+              *self.encode(message.content), self._marker["<|im_end|>"]]
+    ids += [self._marker["<|im_assistant|>"], *self.encode("assistant"), self._marker["<|im_middle|>"]]
+    return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _raise_template_error(message):
+  raise TextError(f"chat template: {message}")
+
+
+class StreamText:
+  """Turns a growing list of token ids into text deltas, holding back what is not final yet.
+
+  Held back: an incomplete UTF-8 sequence (the decoder shows it as U+FFFD until its last byte
+  arrives) and any tail that could be the start of a stop string. A stop string ends the text
+  before it (OpenAI's behaviour: the stop string itself is not returned).
+  """
+
+  def __init__(self, codec: TextCodec, stop_strings: Sequence[str] = ()):
+    self.codec = codec
+    self.stop_strings = tuple(s for s in stop_strings if s)
+    self.text = ""  # decoded text of every token so far (before any stop-string cut)
+    self.sent = 0  # characters of ``text`` handed out
+    self.stopped = False
+    self._prefix = 0  # tokens before the decode window; decoding in windows keeps each step O(new)
+    self._read = 0
+
+  def push(self, ids: Sequence[int], final: bool = False) -> str:
+    """Reads ``ids`` (all tokens so far); returns the new text that is safe to send."""
+    if self.stopped:
+      return ""
+    window = self.codec.decode(ids[self._prefix:])
+    if len(ids) > self._read and (final or not window.endswith("\ufffd")):
+      before = self.codec.decode(ids[self._prefix:self._read])
+      self.text += window[len(before):]
+      self._prefix, self._read = self._read, len(ids)
+    cut = self._find_stop()
+    if cut is not None:
+      self.stopped = True
+      return self._take(cut)
+    if final:
+      return self._take(len(self.text))
+    return self._take(len(self.text) - self._held_back())
+
+  def _find_stop(self) -> int | None:
+    # A stop string may straddle earlier text: search from where the longest could start.
+    start = max(0, self.sent - max((len(s) for s in self.stop_strings), default=0))
+    hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+    return min(hits) if hits else None
+
+  def _held_back(self) -> int:
+    """Length of the longest tail of the text that is a proper prefix of a stop string."""
+    best = 0
+    for stop in self.stop_strings:
+      for n in range(min(len(stop) - 1, len(self.text)), best, -1):
+        if self.text.endswith(stop[:n]):
+          best = n
+          break
+    return best
+
+  def _take(self, end: int) -> str:
+    end = max(end, self.sent)
+    out, self.sent = self.text[self.sent:end], end
+    return out
