@@ -16,13 +16,14 @@ from serve.text import StreamText
 
 log = logging.getLogger("ddtree_jax.serve")
 
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Every new executable is lowered first, also when the persistent compilation cache then has it.
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _compile_watchers: list = []
 
 
 def _on_jax_event(event: str, duration: float, **_kwargs) -> None:
   # Listeners run on the compiling thread: a compile belongs to the engine whose loop thread it is.
-  if event == _BACKEND_COMPILE_EVENT:
+  if event == _LOWERING_EVENT:
     for engine in list(_compile_watchers):
       if engine.loop.is_engine_thread():
         engine.metrics.compiles_after_warmup.inc()

@@ -31,7 +31,7 @@ class Metrics:
     self.free_slots = prom.Gauge("ddtree_free_slots", "Free cache slots", registry=r)
     self.compile_seconds = prom.Gauge("ddtree_compile_seconds", "Seconds spent compiling at warm-up", registry=r)
     self.compiles_after_warmup = prom.Counter(
-        "ddtree_compiles_after_warmup", "XLA compilations after warm-up (should stay 0)", registry=r)
+        "ddtree_compiles_after_warmup", "Executables lowered (compiled) by the engine after warm-up (stays 0)", registry=r)
     self.engine_failures = prom.Counter("ddtree_engine_failures", "Engine steps or admissions that failed",
                                         registry=r)
 

@@ -52,7 +52,10 @@ class TextCodec:
     self.bos_token_id = bos_token_id
     self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     self._template = None
+    self._parsing = None  # the same tokenizer, parsing special-token spellings (for template output)
     if chat_template is not None:
+      self._parsing = Tokenizer.from_str(tokenizer.to_str())
+      self._parsing.encode_special_tokens = False
       env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
       env.globals["raise_exception"] = _raise_template_error
       self._template = env.from_string(chat_template)
@@ -117,7 +120,7 @@ class TextCodec:
       text = self._template.render(messages=[dataclasses.asdict(m) for m in messages], add_generation_prompt=True,
                                    **self._special_tokens)
       # The template's own special-token spellings are ids; the tokenizer parses them here only.
-      return self.tokenizer.encode(text, add_special_tokens=False).ids
+      return self._parsing.encode(text, add_special_tokens=False).ids
     ids: list[int] = []
     for i, message in enumerate(messages):
       if message.role not in CHAT_ROLES:

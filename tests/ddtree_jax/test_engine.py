@@ -269,3 +269,44 @@ def test_every_budget_from_1_to_64_compiles_and_is_lossless(model, prompts, refe
   for budget in budgets:
     result = dec.generate(prompts, MAX_NEW, budget=budget, stop_token_ids=[])
     check_near_ties(result.tokens, *reference, context=f"ddtree/budget {budget}")
+
+
+# ---- the server's batch operations: cancel and resize --------------------------------------------
+def test_cancel_and_resize_keep_other_requests_lossless(model, prompts, reference):
+  """A request cancelled while a step is in flight frees its slot at once; a new request reusing
+  that slot, and the others moved between buckets, still decode exactly the greedy reference."""
+  dec = engine.SpeculativeDecoder(model, make_drafter("noisy", prompts, reference[0]), policy="ddtree",
+                                  budgets=(8,), batch_buckets=(1, 2, 4), max_len=MAX_LEN, show_progress=False)
+  make = lambda i, n=MAX_NEW: dec.request(prompts[i], n, stop_token_ids=[])
+  batch = engine.Batch(dec, 4)
+  first = [make(0), make(1), make(2)]
+  for r in first:
+    batch.admit(r)
+  pending = batch.dispatch(8)
+  pending, previous = batch.dispatch(8), pending
+  batch.collect(previous)
+  batch.cancel(first[1])  # a step that still computes it is in flight
+  assert first[1].finish_reason == "cancelled" and dec.pool.free_slots == dec.num_slots - 2
+  assert np.asarray(batch.decode.active).tolist() == [True, False, True, False]  # stopped on the device
+  batch.resize(2)  # two running requests fit the 2-row bucket
+  assert batch.bucket == 2 and batch.rows == [first[0], first[2]]
+  late = make(1, 20)  # takes the cancelled request's slot while the old step is still unread
+  batch.collect(pending)
+  pending = None
+  steps = 0
+  while batch.num_running or pending is not None:
+    if late.slot is None and not late.finished and batch.free_rows():
+      batch.admit(late)
+    dispatched = batch.dispatch(8) if batch.num_running else None
+    if pending is not None:
+      batch.collect(pending)
+    pending, steps = dispatched, steps + 1
+    if steps == 6 and batch.num_running < 4:
+      batch.resize(4)  # grow back mid-run
+  assert all(r.finished for r in first + [late])
+  cancelled = first[1].tokens
+  assert cancelled == reference[0][1][:len(cancelled)] and len(cancelled) < MAX_NEW
+  check_near_ties([first[0].tokens, first[2].tokens, late.tokens],
+                  [reference[0][0], reference[0][2], reference[0][1][:20]],
+                  [reference[1][0], reference[1][2], reference[1][1]], context="cancel/resize")
+  assert dec.pool.free_slots == dec.num_slots

@@ -1,0 +1,384 @@
+"""The real server on loopback, with the bundled demo pair in float32 on the CPU.
+
+Two servers: ``--spec ddtree`` in this process (so tests can look inside its engine) and
+``--spec none`` started as ``python -m ddtree_jax.serve`` in a subprocess. Greedy text equality
+follows DESIGN's near-tie rule in float32 (1e-4), checked against plain greedy decoding.
+"""
+
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import psutil
+import pytest
+
+from ddtree_jax.near_tie import check_near_ties, greedy_reference
+from models import loading
+from serve.config import ServeConfig
+from serve.engine_loop import FaultInjector
+from serve.launch import ServerThread
+
+MAX_CONTEXT = 192
+COMMON = dict(max_batch=16, max_context=MAX_CONTEXT, dtype="float32", max_queue=64)
+SPEC = ServeConfig(port=0, spec="ddtree", budget="1:16,4:8,16:4", **COMMON)
+SOAK_REQUESTS = int(os.environ.get("DDTREE_SOAK_REQUESTS", "400"))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+  """``python -m ddtree_jax.serve --spec none`` in a subprocess (started first: it warms up while the
+  in-process server does)."""
+  port = free_port()
+  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--max-batch", "16",
+         "--max-context", str(MAX_CONTEXT), "--dtype", "float32", "--log-level", "warning"]
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  statuses = []
+  try:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+      if proc.poll() is not None:
+        pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+      try:
+        r = httpx.get(url + "/health", timeout=5)
+        statuses.append((r.status_code, r.json()["status"]))
+        if r.status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.25)
+    else:
+      pytest.fail("the --spec none server did not become ready in 600 s")
+    yield url, statuses
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(30)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(plain_server):
+  with ServerThread(SPEC) as s:
+    yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def held_out():
+  path = loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json"
+  return [p["tokens"][:64] for p in json.loads(path.read_text())["prompts"][:20]]
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+  text = httpx.get(url + "/metrics").text
+  pattern = re.escape(name + (("{" + labels + "}") if labels else "")) + r" ([0-9.e+-]+)$"
+  found = re.search(pattern, text, re.M)
+  return float(found.group(1)) if found else 0.0
+
+
+def wait_idle(server, timeout=60.0) -> dict:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    snap = server.engine.loop.snapshot()
+    if snap["running"] == snap["waiting"] == snap["queued"] == snap["jobs"] == 0:
+      return snap
+    time.sleep(0.05)
+  raise AssertionError(f"engine not idle after {timeout} s: {server.engine.loop.snapshot()}")
+
+
+# ---- startup and the OpenAI client ---------------------------------------------------------------
+def test_cli_server_reports_loading_then_ready(plain_server):
+  url, statuses = plain_server
+  assert (503, "loading") in statuses and statuses[-1] == (200, "ok")
+  models = httpx.get(url + "/v1/models").json()
+  assert models["data"][0]["id"] == "kimi-demo" and models["data"][0]["spec"] == "none"
+
+
+def test_openai_client_completions_chat_and_streaming_agree(server, client):
+  prompt = 'def read_config(path):\n    """Read a JSON file."""'
+  full = client.completions.create(model="kimi-demo", prompt=prompt, max_tokens=40, temperature=0)
+  chunks = list(client.completions.create(model="kimi-demo", prompt=prompt, max_tokens=40, temperature=0,
+                                          stream=True, stream_options={"include_usage": True}))
+  streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+  assert full.choices[0].text == streamed and len(streamed) > 20
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+  assert full.usage.prompt_tokens == len(server.engine.codec.completion_prompt(prompt))
+  finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+  assert finals == [full.choices[0].finish_reason] and full.choices[0].finish_reason in ("stop", "length")
+
+  messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A parser."}]
+  chat = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=24, temperature=0)
+  stream = list(client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=24,
+                                               temperature=0, stream=True))
+  assert stream[0].choices[0].delta.role == "assistant"
+  assert chat.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in stream)
+  assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 24
+  assert chat.choices[0].finish_reason == stream[-1].choices[0].finish_reason
+
+
+def test_stop_strings_and_echo(client):
+  prompt = "import os\nimport sys\n"
+  base = client.completions.create(model="kimi-demo", prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+  cut = base.find("\n", 3)
+  assert cut > 0, base
+  stop = base[cut:cut + 2]
+  stopped = client.completions.create(model="kimi-demo", prompt=prompt, max_tokens=48, temperature=0, stop=[stop])
+  assert stopped.choices[0].text == base[:base.find(stop)] and stopped.choices[0].finish_reason == "stop"
+  echoed = client.completions.create(model="kimi-demo", prompt=prompt, max_tokens=8, temperature=0, echo=True)
+  assert echoed.choices[0].text.startswith(prompt) and echoed.choices[0].text[len(prompt):] == base[:len(
+      echoed.choices[0].text) - len(prompt)]
+
+
+# ---- losslessness under concurrency ------------------------------------------------------------
+def test_greedy_ddtree_server_equals_plain_server_with_16_concurrent_clients(server, plain_server, held_out):
+  plain_url, _ = plain_server
+  accepted_before = (metric(server.url, "ddtree_acceptance_length_sum"),
+                     metric(server.url, "ddtree_acceptance_length_count"))
+
+  def ask(url, prompt):
+    body = {"model": "kimi-demo", "prompt": prompt, "max_tokens": 48, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+  with cf.ThreadPoolExecutor(16) as pool:
+    spec = list(pool.map(lambda p: ask(server.url, p), held_out))
+    plain = list(pool.map(lambda p: ask(plain_url, p), held_out))
+  spec_ids = [c["token_ids"] for c in spec]
+  plain_ids = [c["token_ids"] for c in plain]
+  target = server.engine.loop.decoder.target
+  reference = greedy_reference(target, held_out, 48, MAX_CONTEXT + 32)
+  # Both servers stop at EOS; compare each against the reference cut to its own length.
+  cut = lambda ref, ids: [r[:len(i)] if i and i[-1] == 0 else r for r, i in zip(ref, ids)]
+  check_near_ties(spec_ids, cut(reference[0], spec_ids), reference[1], context="ddtree server")
+  check_near_ties(plain_ids, cut(reference[0], plain_ids), reference[1], context="plain server")
+  same = sum(a["text"] == b["text"] for a, b in zip(spec, plain))
+  assert same >= len(held_out) - 1  # at most a counted near tie may separate them
+  total, count = (metric(server.url, "ddtree_acceptance_length_sum") - accepted_before[0],
+                  metric(server.url, "ddtree_acceptance_length_count") - accepted_before[1])
+  assert count > 0 and total / count > 2.0, f"ddtree server accepted only {total / max(count, 1):.2f} per step"
+
+
+# ---- many clients, sampling, disconnects ---------------------------------------------------------
+def test_32_concurrent_streaming_clients_with_mixed_sampling(server):
+  rng = random.Random(5)
+  jobs = [dict(prompt=f"def f{i}(x):\n    return", max_tokens=rng.randint(4, 40),
+               temperature=rng.choice([0.0, 0.5, 1.0]), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+               seed=rng.randrange(2**31), stop=rng.choice([None, ["\n\n"]]), stream=True,
+               stream_options={"include_usage": True}) for i in range(32)]
+
+  def run(body):
+    text, usage, finish = [], None, None
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+      assert r.status_code == 200
+      for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        if chunk["choices"]:
+          text.append(chunk["choices"][0]["text"])
+          finish = chunk["choices"][0]["finish_reason"] or finish
+        else:
+          usage = chunk["usage"]
+    return "".join(text), usage, finish
+
+  with cf.ThreadPoolExecutor(32) as pool:
+    results = list(pool.map(run, jobs))
+  for body, (text, usage, finish) in zip(jobs, results):
+    assert finish in ("stop", "length") and 1 <= usage["completion_tokens"] <= body["max_tokens"]
+    assert finish == "stop" or usage["completion_tokens"] == body["max_tokens"]
+  # A seeded request's text does not depend on the batch it shared.
+  for body, (text, _, _) in list(zip(jobs, results))[:4]:
+    alone = run(dict(body))
+    assert alone[0] == text
+  assert wait_idle(server)["free_slots"] == server.engine.loop.decoder.num_slots
+
+
+def test_client_disconnect_mid_stream_frees_its_slot(server):
+  num_slots = server.engine.loop.decoder.num_slots
+  cancelled_before = metric(server.url, "ddtree_finished_requests_total", 'reason="cancelled"')
+  body = {"prompt": "class Parser:\n", "max_tokens": 150, "temperature": 0.0, "stream": True, "ignore_eos": True}
+  with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    lines = r.iter_lines()
+    next(l for l in lines if l.startswith("data: "))
+    assert server.engine.loop.snapshot()["running"] == 1
+  deadline = time.monotonic() + 30
+  while metric(server.url, "ddtree_free_slots") != num_slots and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert metric(server.url, "ddtree_free_slots") == num_slots
+  assert metric(server.url, "ddtree_finished_requests_total", 'reason="cancelled"') == cancelled_before + 1
+  assert server.engine.loop.snapshot()["jobs"] == 0
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+def test_bad_requests_get_openai_errors(server):
+  url = server.url + "/v1/completions"
+  cases = [
+      (b"{not json", 400, None), (b'{"prompt": ["a", "b"]}', 400, "prompt"), (b'{"max_tokens": 3}', 400, "prompt"),
+      (b'{"prompt": "x", "max_tokens": -2}', 400, "max_tokens"), (b'{"prompt": "x", "temperature": -1}', 400,
+                                                                  "temperature"),
+      (b'{"prompt": "x", "top_p": 0}', 400, "top_p"), (b'{"prompt": "x", "n": 3}', 400, "n"),
+      (b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
+      (json.dumps({"prompt": "x" * 10, "max_tokens": MAX_CONTEXT}).encode(), 400, "max_tokens"),
+  ]
+  for raw, status, param in cases:
+    r = httpx.post(url, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, (raw, r.text)
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+  long = httpx.post(url, json={"prompt": "x" * 10, "max_tokens": MAX_CONTEXT})
+  assert "maximum context length is 192" in long.json()["error"]["message"]
+  assert "max_tokens is 192" in long.json()["error"]["message"]
+  r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                            "presence_penalty": 1.0})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
+
+
+def test_api_key_body_limit_and_full_queue(server):
+  keyed = ServeConfig(port=0, api_key="s3cret", max_body_bytes=2048, **{**COMMON, "max_queue": 0})
+  with ServerThread(keyed, engine=server.engine) as other:
+    body = {"prompt": "x", "max_tokens": 2}
+    assert httpx.post(other.url + "/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(other.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    auth = {"Authorization": "Bearer s3cret"}
+    assert httpx.get(other.url + "/v1/models", headers=auth).status_code == 200
+    assert httpx.get(other.url + "/health").status_code == 200  # health and metrics need no key
+    big = httpx.post(other.url + "/v1/completions", json={"prompt": "x" * 4000}, headers=auth)
+    assert big.status_code == 413 and "2048" in big.json()["error"]["message"]
+  loop = server.engine.loop
+  saved, loop.max_queue = loop.max_queue, 0
+  try:
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+  finally:
+    loop.max_queue = saved
+  assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_engine_fault_fails_only_its_step_and_the_server_goes_on(server):
+  loop = server.engine.loop
+  wait_idle(server)
+  loop.faults = FaultInjector(steps=[1])  # the next step fails: the request in it gets a 500
+  r = httpx.post(server.url + "/v1/completions", json={"prompt": "def g():", "max_tokens": 20, "temperature": 0})
+  assert r.status_code == 500 and "injected engine fault" in r.json()["error"]["message"]
+  # A stream that has started gets an SSE error event, then the end of the stream.
+  loop.faults = FaultInjector(steps=[6])
+  body = {"prompt": "def g():", "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+  with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    assert r.status_code == 200
+    data = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+  assert data[-1] == "[DONE]" and "injected engine fault" in json.loads(data[-2])["error"]["message"]
+  assert any(json.loads(d).get("choices") for d in data[:-2])  # text arrived before the failure
+  loop.faults = None
+  assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
+  ok = httpx.post(server.url + "/v1/completions", json={"prompt": "def g():", "max_tokens": 5, "temperature": 0})
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+
+
+# ---- soak ----------------------------------------------------------------------------------------------
+def test_soak_random_requests_disconnects_bad_input_and_faults(server):
+  """Many short requests with random parameters, random disconnects, bad requests and injected
+  faults: every request gets exactly one outcome, every slot ends free, memory stays bounded.
+  Length: $DDTREE_SOAK_REQUESTS (default 400; the issue's few thousand with 3000)."""
+  loop = server.engine.loop
+  wait_idle(server)
+  process = psutil.Process()
+  rss_before = process.memory_info().rss
+  finished_before = sum(metric(server.url, "ddtree_finished_requests_total", f'reason="{r}"')
+                        for r in ("stop", "length", "cancelled", "error"))
+  loop.faults = FaultInjector(rate=0.01, seed=11)
+  rng = random.Random(1234)
+  outcomes: dict[int, str] = {}
+  lock = threading.Lock()
+  accepted_by_engine = []
+
+  def one(i: int):
+    kind = rng.random()
+    body = {"prompt": rng.choice(["x", "def h(", "import re\n", "for i in range(3):\n   "]) * rng.randint(1, 6),
+            "max_tokens": rng.randint(1, 12), "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1000),
+            "top_p": rng.choice([1.0, 0.8]), "stream": rng.random() < 0.5}
+    if kind < 0.05:
+      body["temperature"] = -1  # bad request
+    with httpx.Client(timeout=120) as http:
+      if kind < 0.05:
+        r = http.post(server.url + "/v1/completions", json=body)
+        outcome = f"bad:{r.status_code}"
+      elif kind < 0.12:  # disconnect mid-stream
+        body.update(stream=True, max_tokens=40, ignore_eos=True)
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+          outcome = "500" if r.status_code == 500 else "disconnected"
+          for line in r.iter_lines():
+            if line.startswith("data: "):
+              break
+      else:
+        if body["stream"]:
+          with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            data = [l[6:] for l in r.iter_lines() if l.startswith("data: ")] if r.status_code == 200 else []
+            if r.status_code != 200:
+              outcome = str(r.status_code)
+            elif data[-1] == "[DONE]" and any("error" in json.loads(d) for d in data[:-1]):
+              outcome = "stream-error"
+            else:
+              assert data[-1] == "[DONE]"
+              finals = [json.loads(d)["choices"][0]["finish_reason"] for d in data[:-1]]
+              assert [f for f in finals if f] in (["stop"], ["length"]), finals
+              outcome = "ok"
+        else:
+          r = http.post(server.url + "/v1/completions", json=body)
+          outcome = "ok" if r.status_code == 200 else str(r.status_code)
+          if r.status_code == 200:
+            assert 1 <= r.json()["usage"]["completion_tokens"] <= body["max_tokens"]
+    with lock:
+      assert i not in outcomes
+      outcomes[i] = outcome
+      if not outcome.startswith("bad"):
+        accepted_by_engine.append(i)
+
+  with cf.ThreadPoolExecutor(24) as pool:
+    for future in [pool.submit(one, i) for i in range(SOAK_REQUESTS)]:
+      future.result()
+  loop.faults, faults = None, loop.faults
+  snap = wait_idle(server)
+  counts = {k: sum(1 for v in outcomes.values() if v == k) for k in set(outcomes.values())}
+  assert len(outcomes) == SOAK_REQUESTS, counts
+  assert set(counts) <= {"ok", "500", "stream-error", "disconnected", "bad:400"}, counts
+  assert counts.get("ok", 0) >= 0.7 * SOAK_REQUESTS, counts
+  assert faults.injected == 0 or counts.get("500", 0) + counts.get("stream-error", 0) > 0
+  assert snap["free_slots"] == snap["num_slots"]
+  finished_after = sum(metric(server.url, "ddtree_finished_requests_total", f'reason="{r}"')
+                       for r in ("stop", "length", "cancelled", "error"))
+  # Every request the engine took left it exactly once (none lost, none counted twice).
+  assert finished_after - finished_before == len(accepted_by_engine), (counts, finished_after - finished_before)
+  growth = process.memory_info().rss - rss_before
+  assert growth < 256 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MiB over the soak"
+
+
+def test_serving_never_compiled_after_warmup(server, plain_server):
+  # Runs last in this module: every prompt length, batch size, bucket change and fault above.
+  assert metric(server.url, "ddtree_compiles_after_warmup_total") == 0
+  assert metric(plain_server[0], "ddtree_compiles_after_warmup_total") == 0

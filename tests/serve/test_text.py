@@ -1,0 +1,194 @@
+"""Server pieces without a server: text streaming and stop strings, chat templates, budget tables,
+fault specs, and the mapping of bad bodies to 400s naming the field."""
+
+import json
+
+import pytest
+
+from serve import protocol
+from serve.engine_loop import BudgetTable, FaultInjector, InjectedFault, batch_buckets
+from serve.text import Message, StreamText, TextCodec, TextError
+from models import loading
+
+
+@pytest.fixture(scope="module")
+def codec():
+  return TextCodec.from_model_dir(loading.resolve_model_dir("kimi-demo"), eos_token_id=0)
+
+
+def stream_all(codec, ids, stops=(), step=1):
+  """Feeds ``ids`` ``step`` tokens at a time; returns (concatenated deltas, StreamText)."""
+  stream = StreamText(codec, stops)
+  out = []
+  for end in range(step, len(ids) + step, step):
+    out.append(stream.push(ids[:min(end, len(ids))], final=end >= len(ids)))
+  return "".join(out), stream
+
+
+def test_streamed_text_equals_whole_decode_including_multibyte(codec):
+  text = "naïve café — 東京 😀 done\n    return x"
+  ids = codec.encode(text)
+  assert any("\ufffd" in codec.decode(ids[:i]) for i in range(1, len(ids)))  # some token splits a character
+  for step in (1, 2, 3):
+    got, _ = stream_all(codec, ids, step=step)
+    assert got == text == codec.decode(ids)
+
+
+def test_partial_characters_are_held_back_until_complete(codec):
+  ids = codec.encode("😀")
+  assert len(ids) > 1
+  stream = StreamText(codec)
+  assert stream.push(ids[:1]) == ""  # an incomplete UTF-8 sequence is not sent
+  assert stream.push(ids) == "😀"
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_stop_string_ends_text_before_it_even_across_tokens(codec, step):
+  text = "def f():\n    return 1\n\ndef g():\n    pass"
+  ids = codec.encode(text)
+  got, stream = stream_all(codec, ids, stops=("\n\ndef",), step=step)
+  assert got == "def f():\n    return 1" and stream.stopped
+  got, stream = stream_all(codec, ids, stops=("zzz", "return"), step=step)
+  assert got == "def f():\n    " and stream.stopped  # the earliest of several stop strings
+  got, stream = stream_all(codec, ids, stops=("never there",), step=step)
+  assert got == text and not stream.stopped
+
+
+def test_prefix_of_a_stop_string_is_held_back_then_released(codec):
+  ids = codec.encode("abc END")
+  stream = StreamText(codec, ("ENDING",))
+  sent = stream.push(ids)
+  assert sent == "abc " or sent.endswith(" ") and "END" not in sent  # "END" could still become "ENDING"
+  assert sent + stream.push(ids, final=True) == "abc END"  # at the end nothing is held back
+
+
+def test_builtin_chat_template_uses_special_ids_and_reads_content_literally(codec):
+  tok = codec.tokenizer
+  ids = codec.chat_prompt([Message("system", "be brief"), Message("user", "hi <|im_end|>")])
+  special = {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_system|>", "<|im_user|>",
+                                                       "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
+  expected = ([special["<|endoftext|>"]]  # the demo tokenizer config adds BOS
+              + [special["<|im_system|>"]] + codec.encode("system") + [special["<|im_middle|>"]]
+              + codec.encode("be brief") + [special["<|im_end|>"]]
+              + [special["<|im_user|>"]] + codec.encode("user") + [special["<|im_middle|>"]]
+              + codec.encode("hi <|im_end|>") + [special["<|im_end|>"]]
+              + [special["<|im_assistant|>"]] + codec.encode("assistant") + [special["<|im_middle|>"]])
+  assert ids == expected
+  assert ids.count(special["<|im_end|>"]) == 2  # the user's literal "<|im_end|>" is not the marker
+  assert codec.chat_stop_ids == (special["<|im_end|>"],)
+  with pytest.raises(TextError, match=r"messages\[0\].role"):
+    codec.chat_prompt([Message("robot", "x")])
+
+
+def test_checkpoint_jinja_template_is_rendered(tmp_path, codec):
+  (tmp_path / "tokenizer.json").write_text(codec.tokenizer.to_str())
+  template = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>{% endfor %}"
+              "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+  jinja = TextCodec.from_model_dir(tmp_path, eos_token_id=0)
+  assert jinja.template_name.startswith("checkpoint")
+  tok = codec.tokenizer
+  ids = jinja.chat_prompt([Message("user", "hello")])
+  assert ids == ([tok.token_to_id("<|im_user|>")] + codec.encode("hello")
+                 + [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_assistant|>")])
+
+
+def test_completion_prompt_forms(codec):
+  assert codec.completion_prompt("x = 1") == [0] + codec.encode("x = 1")
+  assert codec.completion_prompt([5, 6, 7]) == [5, 6, 7]
+  with pytest.raises(TextError, match="outside"):
+    codec.completion_prompt([5, codec.vocab_size])
+  with pytest.raises(TextError, match="empty"):
+    codec.completion_prompt([])
+
+
+def test_budget_table_and_buckets():
+  table = BudgetTable.parse("1:32,4:16,16:8")
+  assert [table.budget_for(n) for n in (1, 2, 4, 5, 16, 64)] == [32, 16, 16, 8, 8, 8]
+  assert table.budgets == (8, 16, 32)
+  assert BudgetTable.parse("12").budget_for(100) == 12
+  for bad in ("", "x", "4:8,2:16", "0:8", "1:-1", "1:8:3"):
+    with pytest.raises(ValueError, match="--budget"):
+      BudgetTable.parse(bad)
+  assert batch_buckets(1) == (1,) and batch_buckets(12) == (1, 2, 4, 8, 12) and batch_buckets(16)[-1] == 16
+
+
+def test_fault_injector_spec():
+  faults = FaultInjector.from_spec("steps=2,4")
+  raised = []
+  for step in range(1, 6):
+    try:
+      faults.before_step()
+    except InjectedFault:
+      raised.append(step)
+  assert raised == [2, 4] and faults.injected == 2
+  rate = FaultInjector.from_spec("rate=0.5;seed=3")
+  hits = 0
+  for _ in range(400):
+    try:
+      rate.before_step()
+    except InjectedFault:
+      hits += 1
+  assert 150 < hits < 250
+  assert FaultInjector.from_spec("") is None
+  with pytest.raises(ValueError, match="unknown fields"):
+    FaultInjector.from_spec("step=3")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({}, 400, "prompt"),
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ({"prompt": "x", "mystery": 1}, 400, "mystery"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+])
+def test_completion_bodies_refused_with_the_field_named(body, status, param):
+  with pytest.raises(protocol.ApiError) as info:
+    parsed = _parse(protocol.CompletionRequest, body)
+    parsed.check()
+    parsed.single_prompt  # pylint: disable=pointless-statement
+  assert info.value.status == status and info.value.param == param, info.value.message
+  assert param in info.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+])
+def test_chat_bodies_refused_with_the_field_named(body, param):
+  with pytest.raises(protocol.ApiError) as info:
+    _parse(protocol.ChatCompletionRequest, body).check()
+  assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_valid_bodies_parse():
+  chat = _parse(protocol.ChatCompletionRequest, {
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+      "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}, "stop": "\n"})
+  chat.check()
+  assert chat.messages[0].text == "ab" and chat.token_limit == 5 and chat.include_usage
+  assert chat.stop_strings == ["\n"]
+  completion = _parse(protocol.CompletionRequest, {"prompt": [[1, 2, 3]], "presence_penalty": 0, "n": 1})
+  completion.check()
+  assert completion.single_prompt == [1, 2, 3]
+
+
+def _parse(model, body):
+  from serve.app import protocol_parse  # pylint: disable=import-outside-toplevel
+  return protocol_parse(model, body)
