@@ -201,6 +201,18 @@ def routed_experts(x_sorted, group_sizes, w_gate, w_up, w_down):
   return jax.lax.ragged_dot(hidden, w_down.astype(x_sorted.dtype), group_sizes)
 
 
+def routed_experts_pallas(x_sorted, group_sizes, w_gate, w_up, w_down):
+  """``routed_experts`` through the Mosaic GPU grouped-matmul kernel (``pallas_kernels/moe.py``).
+
+  Same contract; reads only the touched experts' weights. GPU only, bf16 activations (the kernel
+  raises a clear error otherwise).
+  """
+  from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
+
+  experts = moe.Bf16Experts(*(w.astype(x_sorted.dtype) for w in (w_gate, w_up, w_down)))
+  return moe.moe_experts(x_sorted, group_sizes, experts)
+
+
 def route(router_logits, bias, valid, cfg: KimiConfig):
   """DeepSeek-V3 noaux_tc routing for one group.
 
@@ -249,10 +261,11 @@ class MoE(nnx.Module):
     token_of_row = order // k
     group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
     if cfg.moe_impl == "pallas":
-      raise NotImplementedError("moe_impl='pallas' needs the Mosaic GPU grouped-matmul kernel "
-                                "(pallas_kernels/moe.py), which is not written yet; use 'xla'")
-    y = routed_experts(tokens[token_of_row], group_sizes, self.experts_gate[...],
-                       self.experts_up[...], self.experts_down[...])
+      y = routed_experts_pallas(tokens[token_of_row], group_sizes, self.experts_gate[...],
+                                self.experts_up[...], self.experts_down[...])
+    else:
+      y = routed_experts(tokens[token_of_row], group_sizes, self.experts_gate[...],
+                         self.experts_up[...], self.experts_down[...])
     # Rows past sum(group_sizes) (padded tokens) are zero by ragged_dot's contract; `where` keeps
     # them zero (and finite) even for a kernel that leaves them unwritten.
     routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)

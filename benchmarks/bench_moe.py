@@ -1,0 +1,312 @@
+"""One K2.6 MoE layer's routed experts on the H200: the Mosaic GPU kernel against the baselines.
+
+    PYTHONPATH=. python3 benchmarks/bench_moe.py --out benchmarks/results   # on the GPU
+
+All three projections (gate, up: 7168 -> 2048; down: 2048 -> 7168) of 384 experts, and of the
+48-expert share one GPU holds under 8-way expert parallelism, at T tokens with random top-8
+routing over the 384 experts (the 48-expert share computes the rows routed to experts 0..47; its
+row buffer keeps the static size 8T, the rest is padding). Timed side by side in the same run:
+
+* ``pallas`` bf16 and INT4 (``pallas_kernels/moe.py``): reads only the touched experts;
+* ``ragged_dot``: ``models.kimi.routed_experts`` (``jax.lax.ragged_dot``), bf16;
+* ``ragged_dot_mgpu``: jax's Pallas Mosaic GPU ragged dot (block 64 x 256 x 64, 4 stages) for
+  each projection with the SwiGLU in XLA, bf16.
+
+Roofline: bytes of the touched experts' weights in the format used (bf16: 2 bytes per weight;
+INT4: half a byte plus a bf16 scale per 32) over the read-only stream bandwidth measured in the
+same run (a float32 sum over 4 GiB of bf16). Each timed call cycles through several routings, so
+that repeated calls do not find the touched experts in L2. Writes ``bench_moe.json`` and
+``bench_moe.md``.
+"""
+
+import argparse
+import concurrent.futures
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import kimi
+from pallas_kernels import moe
+
+HIDDEN, INTER, TOP_K, ALL_EXPERTS = 7168, 2048, 8, 384
+TOKENS = (1, 9, 17, 33, 65, 136, 544)
+ROUTINGS = 4  # distinct routings cycled through per cell
+
+
+def timed(fn, arg_sets, min_seconds=0.1, repeats=3):
+  """Median seconds per call; calls are dispatched back to back, blocking once per batch."""
+  out = None
+  for args in arg_sets:  # warm-up
+    out = fn(*args)
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  for args in arg_sets:
+    out = fn(*args)
+  jax.block_until_ready(out)
+  one = (time.perf_counter() - t0) / len(arg_sets)
+  calls = len(arg_sets) * max(1, int(min_seconds / max(one, 1e-6) / len(arg_sets)))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for i in range(calls):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / calls)
+  return statistics.median(samples)
+
+
+def ceilings():
+  """Read-only stream and copy bandwidth (bytes/s), bf16 matmul rate (FLOP/s), measured here."""
+  x = jax.random.normal(jax.random.key(0), (2**31,), jnp.bfloat16)  # 4 GiB
+  nbytes = x.size * 2
+  stream = timed(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), [(x,)])
+  copy = timed(jax.jit(lambda a: a * 2), [(x,)])
+  del x
+  a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+  mm = timed(jax.jit(lambda p, q: p @ q), [(a, b)])
+  return {"stream_read_bytes_per_s": nbytes / stream, "copy_bytes_per_s": 2 * nbytes / copy,
+          "matmul_bf16_flop_per_s": 2 * 8192**3 / mm}
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts",))
+def make_bf16(key, num_experts):
+  """Random bf16 experts: 8 distinct ones tiled (contents do not change the traffic)."""
+  keys = jax.random.split(key, 3)
+  reps = -(-num_experts // 8)
+  def one(k, shape):
+    return jnp.tile((jax.random.normal(k, (8, *shape)) * 0.02).astype(jnp.bfloat16), (reps, 1, 1))[:num_experts]
+  return moe.Bf16Experts(one(keys[0], (HIDDEN, INTER)), one(keys[1], (HIDDEN, INTER)), one(keys[2], (INTER, HIDDEN)))
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts",))
+def make_int4(key, num_experts):
+  keys = jax.random.split(key, 6)
+  reps = -(-num_experts // 8)
+  def one(kq, ks, k_in, n_out):
+    q = jax.random.randint(kq, (8, n_out, k_in), -8, 8, jnp.int8).astype(jnp.int4)
+    s = (jax.random.uniform(ks, (8, k_in // 32, n_out)) * 0.01).astype(jnp.bfloat16)
+    return moe.Int4Matrix(jnp.tile(q, (reps, 1, 1))[:num_experts], jnp.tile(s, (reps, 1, 1))[:num_experts])
+  return moe.Int4Experts(one(keys[0], keys[1], HIDDEN, INTER), one(keys[2], keys[3], HIDDEN, INTER),
+                         one(keys[4], keys[5], INTER, HIDDEN))
+
+
+def routings(num_tokens, num_experts, seed):
+  """ROUTINGS random top-8 routings over all 384 experts, restricted to experts < num_experts.
+
+  Returns [(x_sorted bf16 [8T, H], group_sizes int32[num_experts], distinct experts touched)].
+  """
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(ROUTINGS):
+    ids = np.argsort(-rng.random((num_tokens, ALL_EXPERTS)), axis=1)[:, :TOP_K].reshape(-1)
+    local = np.where(ids < num_experts, ids, num_experts)  # other GPUs' rows sort last as padding
+    sizes = np.bincount(local, minlength=num_experts + 1)[:num_experts].astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((ids.size, HIDDEN)), jnp.bfloat16)
+    out.append((x, jnp.asarray(sizes), int((sizes > 0).sum())))
+  return out
+
+
+def ragged_dot_mgpu_layer(x, group_sizes, experts):
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+  dot = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=group_sizes, block_m=64, block_n=256,
+                          block_k=64, max_concurrent_steps=4, grid_block_n=1)
+  hidden = jax.nn.silu(dot(x, experts.gate)) * dot(x, experts.up)
+  return dot(hidden, experts.down)
+
+
+IMPLS = {
+    "pallas": lambda x, g, w: moe.moe_experts(x, g, w),
+    # INT4 dequantised through shared memory (the form interpret mode tests) for comparison.
+    "pallas_smem": lambda x, g, w: moe.moe_experts(x, g, w, int4_dequant="smem"),
+    # INT4 from registers, draining the MMA after every 32-feature group (the first version).
+    "pallas_serial": lambda x, g, w: moe.moe_experts(x, g, w, int4_dequant="registers_serial"),
+    "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
+    "ragged_dot_mgpu": ragged_dot_mgpu_layer,
+}
+
+
+def weight_bytes(fmt, experts_touched):
+  per_weight = 2.0 if fmt == "bf16" else 0.5 + 2.0 / 32
+  return experts_touched * 3 * HIDDEN * INTER * per_weight
+
+
+def run(args, out: Path):
+  t_start = time.perf_counter()
+  dev = jax.devices()[0]
+  weights = {}
+  for e in args.experts:
+    weights[("bf16", e)] = make_bf16(jax.random.key(e), e)
+    weights[("int4", e)] = make_int4(jax.random.key(e + 1), e)
+  jax.block_until_ready(weights)
+  cells = []  # (E, T, fmt, impl)
+  for e in args.experts:
+    for t in args.tokens:
+      for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
+        if impl in args.impls and (impl != "ragged_dot_mgpu" or e != args.experts[0] or not args.mgpu_tokens
+                                   or t in args.mgpu_tokens):
+          cells.append((e, t, fmt, impl))
+      for variant in ("pallas_smem", "pallas_serial"):
+        if variant in args.impls and t in args.variant_tokens and e == args.experts[0]:
+          cells.append((e, t, "int4", variant))
+  data = {(e, t): routings(t, e, seed=1000 * e + t) for e in args.experts for t in args.tokens}
+
+  # Lower in this thread (Mosaic GPU lowering is Python), compile in parallel (outside the GIL).
+  lowered = {}
+  for cell in cells:
+    e, t, fmt, impl = cell
+    x, g, _ = data[(e, t)][0]
+    try:
+      lowered[cell] = jax.jit(IMPLS[impl]).lower(x, g, weights[(fmt, e)])
+    except Exception as err:  # one broken cell must not lose the others
+      lowered[cell] = err
+  def compile_cell(cell):
+    try:
+      return lowered[cell] if isinstance(lowered[cell], Exception) else lowered[cell].compile()
+    except Exception as err:
+      return err
+  with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
+    compiled = dict(zip(cells, pool.map(compile_cell, cells)))
+  print(f"compiled {len(cells)} cells in {time.perf_counter() - t_start:.0f} s", flush=True)
+  if args.wait_for:  # let another job on this GPU finish before timing
+    while not Path(args.wait_for).exists() and time.perf_counter() - t_start < args.wait_max_s:
+      time.sleep(1)
+  t_timing = time.perf_counter()
+  caps = ceilings()
+  stream = caps["stream_read_bytes_per_s"]
+  print(f"stream {stream / 1e12:.2f} TB/s, copy {caps['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+        f"matmul {caps['matmul_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+
+  # One correctness check at K2.6 size: the kernel against ragged_dot on the same bf16 weights.
+  check = {}
+  e0, t0 = args.experts[0], args.tokens[min(2, len(args.tokens) - 1)]
+  x, g, _ = data[(e0, t0)][0]
+  try:
+    got = np.asarray(compiled[(e0, t0, "bf16", "pallas")](x, g, weights[("bf16", e0)]).astype(jnp.float32))
+    want = np.asarray(compiled[(e0, t0, "bf16", "ragged_dot")](x, g, weights[("bf16", e0)]).astype(jnp.float32))
+    rows = int(np.asarray(g).sum())
+    check = {"experts": e0, "tokens": t0, "rel_l2_vs_ragged_dot": float(
+        np.linalg.norm(got[:rows] - want[:rows]) / np.linalg.norm(want[:rows]))}
+  except Exception as err:
+    check = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+  print(f"check: {check}", flush=True)
+
+  rows_out = []
+  for cell in cells:
+    e, t, fmt, impl = cell
+    row = {"experts": e, "tokens": t, "format": fmt, "impl": impl}
+    fn = compiled[cell]
+    sets = data[(e, t)]
+    touched = statistics.mean(s[2] for s in sets)
+    row["distinct_experts"] = touched
+    row["roofline_us"] = weight_bytes(fmt, touched) / stream * 1e6
+    if isinstance(fn, Exception):
+      row["error"] = f"{type(fn).__name__}: {str(fn)[:300]}"
+    elif time.perf_counter() - t_timing > args.time_budget_s:
+      row["error"] = "skipped: benchmark deadline"
+    else:
+      try:
+        w = weights[(fmt, e)]
+        seconds = timed(fn, [(x, g, w) for x, g, _ in sets])
+        row["time_us"] = seconds * 1e6
+        row["roofline_fraction"] = row["roofline_us"] / row["time_us"]
+      except Exception as err:
+        row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    print(json.dumps(row), flush=True)
+    rows_out.append(row)
+
+  result = {"device": str(dev), "device_kind": dev.device_kind, "jax": jax.__version__,
+            "python": platform.python_version(), "argv": sys.argv[1:], "ceilings": caps,
+            "check": check, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOP_K,
+            "routings_per_cell": ROUTINGS, "rows": rows_out,
+            "wall_s": time.perf_counter() - t_start}
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "bench_moe.json").write_text(json.dumps(result, indent=1))
+  (out / "bench_moe.md").write_text(markdown(result))
+  print(markdown(result))
+
+
+def markdown(result) -> str:
+  caps = result["ceilings"]
+  lines = [
+      "# One K2.6 MoE layer, routed experts (gate, up, down), random top-8 routing",
+      "",
+      f"{result['device_kind']}, jax {result['jax']}. Read-only stream {caps['stream_read_bytes_per_s'] / 1e12:.2f} TB/s, "
+      f"copy {caps['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), bf16 matmul "
+      f"{caps['matmul_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, measured in the same run.",
+      "Roofline = bytes of the touched experts' weights (bf16: 2 B/weight; INT4: 0.5 B + a bf16 scale "
+      "per 32) / read-only stream bandwidth. Times are medians per call (us).",
+      "",
+  ]
+  by = {(r["experts"], r["tokens"], r["format"], r["impl"]): r for r in result["rows"]}
+  def cell(key):
+    r = by.get(key)
+    if r is None:
+      return "-"
+    if "time_us" not in r:
+      return "error" if "error" in r and "skipped" not in r["error"] else "skipped"
+    return f"{r['time_us']:.0f}"
+  for e in sorted({r["experts"] for r in result["rows"]}, reverse=True):
+    lines += [f"## {e} experts", "",
+              "| T | distinct experts | bf16 roofline | pallas bf16 | of roofline | INT4 roofline | pallas INT4 "
+              "| of roofline | ragged_dot bf16 | ragged_dot_mgpu bf16 | ragged_dot / pallas bf16 |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for t in sorted({r["tokens"] for r in result["rows"] if r["experts"] == e}):
+      pb, pi, rd = (by.get((e, t, f, i)) for f, i in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "ragged_dot")))
+      ref = pb or pi or rd
+      frac = lambda r: f"{r['roofline_fraction']:.0%}" if r and "roofline_fraction" in r else "-"
+      speed = (f"{rd['time_us'] / pb['time_us']:.1f}x" if rd and pb and "time_us" in rd and "time_us" in pb else "-")
+      lines.append(
+          f"| {t} | {ref['distinct_experts']:.1f} | {pb['roofline_us'] if pb else 0:.0f} | {cell((e, t, 'bf16', 'pallas'))} "
+          f"| {frac(pb)} | {pi['roofline_us'] if pi else 0:.0f} | {cell((e, t, 'int4', 'pallas'))} | {frac(pi)} "
+          f"| {cell((e, t, 'bf16', 'ragged_dot'))} | {cell((e, t, 'bf16', 'ragged_dot_mgpu'))} | {speed} |")
+    lines.append("")
+  errors = [r for r in result["rows"] if "error" in r]
+  if errors:
+    lines += ["Errors / skipped cells:", ""]
+    lines += [f"- E={r['experts']} T={r['tokens']} {r['format']} {r['impl']}: {r['error']}" for r in errors]
+    lines.append("")
+  if "rel_l2_vs_ragged_dot" in result.get("check", {}):
+    lines.append(f"Check at K2.6 size: pallas bf16 vs ragged_dot relative L2 {result['check']['rel_l2_vs_ragged_dot']:.1e} "
+                 f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
+  for impl, what in (("pallas_smem", "dequantised through shared memory"),
+                     ("pallas_serial", "from registers, draining the MMA after every group")):
+    rows = [r for r in result["rows"] if r["impl"] == impl and "time_us" in r]
+    if rows:
+      lines.append(f"INT4 {what} ({impl}): " + ", ".join(
+          f"T={r['tokens']} {r['time_us']:.0f} us ({r['roofline_fraction']:.0%})" for r in rows) + ".")
+  lines.append(f"Command: `PYTHONPATH=. python3 benchmarks/bench_moe.py {' '.join(result['argv'])}`")
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser.add_argument("--experts", type=int, nargs="+", default=[ALL_EXPERTS, 48])
+  parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+  parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+  parser.add_argument("--compile-threads", type=int, default=8)
+  parser.add_argument("--variant-tokens", type=int, nargs="*", default=[1, 136],
+                      help="T at which to also time the other INT4 forms (pallas_smem, pallas_serial)")
+  parser.add_argument("--mgpu-tokens", type=int, nargs="*", default=[],
+                      help="T at which to time ragged_dot_mgpu for the first expert count (default all); "
+                           "its 384-group kernel takes about 6 s to lower per T")
+  parser.add_argument("--time-budget-s", type=float, default=120.0, help="skip timing cells past this")
+  parser.add_argument("--wait-for", default="", help="before timing, wait until this file exists")
+  parser.add_argument("--wait-max-s", type=float, default=400.0)
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu":
+    raise SystemExit("bench_moe.py needs a CUDA GPU")
+  run(args, args.out)
+
+
+if __name__ == "__main__":
+  main()

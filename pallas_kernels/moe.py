@@ -1,0 +1,559 @@
+"""Grouped SwiGLU matmul for the routed MoE experts on the Mosaic GPU backend (bf16 and INT4).
+
+Contract (the same as ``models.kimi.routed_experts``): ``x_sorted`` [A, H] holds token rows sorted
+by expert, ``group_sizes`` [E] counts them, and the result [A, H] is
+``down(silu(x @ gate) * (x @ up))`` per row through its expert; rows past ``sum(group_sizes)``
+(padding, routed to no expert) come out zero.
+
+Why a kernel: ``jax.lax.ragged_dot`` and jax's ``ragged_dot_mgpu`` read every expert's weights
+whatever the routing; a decode or verify step touches few experts, so weight traffic should follow
+the experts touched. Here work follows them:
+
+* **Work list** (plain jnp, on device): the non-empty experts' rows are cut into work items of at
+  most ``block_rows`` rows (an expert with r rows gets ceil(r / block_rows) items, almost always
+  one). Items are numbered densely; the list has the static length
+  ``min(E, A) + A // block_rows`` (an upper bound) and its unused tail is marked ``-1``.
+  ``x_work`` [W * R, H] gathers each item's rows into an R-aligned block, zero-padded.
+* **Kernels**: one program per (output tile, work item). A program whose item is ``-1`` exits
+  before loading anything, so weight tiles are read only for touched experts, once per item.
+  The weight tile is the MMA's M side (64 output features) and the item's rows its N side
+  (``block_rows`` >= 16), so few rows cost little tensor-core work (the "swap AB" form):
+  ``acc[f, r] = sum_k W[k, f] x[r, k]``. The result is stored through a transposed shared-memory
+  view, so every activation stays [rows, features].
+  1. ``gate_up``: ``h = silu(x @ W_gate) * (x @ W_up)`` fused, bf16 [W * R, I].
+  2. ``down``: ``h @ W_down`` in float32 [W * R, H].
+  The routing weights and the scatter-add back to tokens stay with the caller (``MoE.__call__``),
+  which already owns them: they cost O(A * H) against the O(touched * H * I) weight stream.
+* **Weights**: bf16 in the model's layout (gate/up [E, H, I], down [E, I, H]; the tensor core
+  transposes the tile for free), or INT4 ``Int4Matrix`` kept packed on the device (see its
+  docstring) and dequantised in the kernel, group by group of 32 input features.
+
+Dimensions need not be multiples of the tiles: tiles past an edge are zero-filled by the bulk
+copy engine on load and clipped on store (interpret mode models both). Layout limits are checked
+up front with clear errors (feature sizes multiples of 8, INT4 inputs multiples of 32).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+GROUP_SIZE = 32  # INT4 quantisation group along the input features (K2.6's compressed-tensors)
+TILE_N = 64  # output features per program: one warpgroup MMA of M = 64
+MIN_BLOCK_ROWS = 16  # the down projection's B tile is [K, rows] bf16: 32-byte swizzle at least
+
+
+# ---------------------------------------------------------------------------------------------
+# INT4 format
+# ---------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Matrix:
+  """One projection of E experts, ``y = x @ W`` with W [K, N] per expert, in INT4 group-32.
+
+  ``W[e, k, n] = bf16(q[e, n, k] * scale[e, k // 32, n])`` (the product rounded once to bf16).
+
+  Fields:
+    q: int4 [E, N, K], values -8..7 (the checkpoint's nibble - 8), in the checkpoint's
+      [out, in] order: each output feature's inputs are contiguous, so a kernel tile [64, K_t]
+      is 64 rows of K_t / 2 bytes. XLA and Mosaic GPU both store int4 two to a byte.
+    scale: bf16 [E, K // 32, N]: group-major, so a k-tile's scales for one group are one
+      contiguous row over the tile's 64 output features.
+  """
+
+  q: jax.Array
+  scale: jax.Array
+
+  @property
+  def num_experts(self) -> int:
+    return self.q.shape[0]
+
+  @property
+  def in_features(self) -> int:
+    return self.q.shape[2]
+
+  @property
+  def out_features(self) -> int:
+    return self.q.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Experts:
+  """Routed experts in INT4: gate, up: ``Int4Matrix`` [H -> I]; down: ``Int4Matrix`` [I -> H]."""
+
+  gate: Int4Matrix
+  up: Int4Matrix
+  down: Int4Matrix
+
+
+class Bf16Experts(NamedTuple):
+  """Routed experts in bf16, the model's layout: gate, up [E, H, I]; down [E, I, H]."""
+
+  gate: jax.Array
+  up: jax.Array
+  down: jax.Array
+
+
+def quantize_int4(w) -> Int4Matrix:
+  """Symmetric INT4 group-32 quantisation along the input features (the reference, plain jnp).
+
+  Args:
+    w: [E, K, N] float (K a multiple of 32).
+  Returns:
+    ``Int4Matrix`` with scale = max|w| / 7 per (expert, group, output) and q = round(w / scale)
+    clipped to -8..7.
+  """
+  e, k, n = w.shape
+  if k % GROUP_SIZE:
+    raise ValueError(f"quantize_int4: input features K={k} must be a multiple of {GROUP_SIZE}")
+  groups = w.astype(jnp.float32).reshape(e, k // GROUP_SIZE, GROUP_SIZE, n)
+  scale = (jnp.max(jnp.abs(groups), axis=2) / 7.0).astype(jnp.bfloat16)  # [E, G, N]
+  safe = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
+  q = jnp.clip(jnp.round(groups / safe[:, :, None, :]), -8, 7)
+  q = q.reshape(e, k, n).transpose(0, 2, 1).astype(jnp.int4)
+  return Int4Matrix(q=q, scale=scale)
+
+
+def dequantize_int4(m: Int4Matrix, dtype=jnp.bfloat16):
+  """[E, K, N] weights of an ``Int4Matrix``: q * scale in float32, rounded once to ``dtype``."""
+  e, n, k = m.q.shape
+  scale = jnp.repeat(m.scale.astype(jnp.float32), GROUP_SIZE, axis=1)  # [E, K, N]
+  return (m.q.astype(jnp.float32).transpose(0, 2, 1) * scale).astype(dtype)
+
+
+def int4_from_compressed_tensors(weight_packed, weight_scale) -> Int4Matrix:
+  """Converts compressed-tensors ``pack-quantized`` INT4 (K2.6's routed experts) to ``Int4Matrix``.
+
+  Args:
+    weight_packed: int32 [E, out, in / 8] (or [out, in / 8] for one expert): eight 4-bit
+      nibbles per word, the lowest nibble first; value = nibble - 8.
+    weight_scale: bf16 [E, out, in / 32] (or [out, in / 32]).
+  Returns:
+    ``Int4Matrix`` with q [E, out, in], scale [E, in / 32, out].
+  """
+  packed = jnp.asarray(weight_packed)
+  scale = jnp.asarray(weight_scale)
+  if packed.ndim == 2:
+    packed, scale = packed[None], scale[None]
+  if packed.ndim != 3 or packed.dtype not in (jnp.int32, jnp.uint32):
+    raise ValueError(f"weight_packed must be int32 [E, out, in/8], got {packed.dtype}{list(packed.shape)}")
+  e, out, words = packed.shape
+  if scale.shape != (e, out, words * 8 // GROUP_SIZE):
+    raise ValueError(f"weight_scale {list(scale.shape)} does not match weight_packed {list(packed.shape)}: "
+                     f"expected [{e}, {out}, {words * 8 // GROUP_SIZE}]")
+  shifts = jnp.arange(8, dtype=jnp.uint32) * 4
+  nibbles = (packed.astype(jnp.uint32)[..., None] >> shifts) & 0xF  # [E, out, in/8, 8], low first
+  q = (nibbles.astype(jnp.int32) - 8).reshape(e, out, words * 8).astype(jnp.int4)
+  return Int4Matrix(q=q, scale=jnp.swapaxes(scale, 1, 2).astype(jnp.bfloat16))
+
+
+def quantize_experts(gate, up, down) -> Int4Experts:
+  """``Int4Experts`` from bf16/f32 expert weights in the model's layout."""
+  return Int4Experts(quantize_int4(gate), quantize_int4(up), quantize_int4(down))
+
+
+def dequantize_experts(experts: Int4Experts, dtype=jnp.bfloat16) -> Bf16Experts:
+  return Bf16Experts(*(dequantize_int4(m, dtype) for m in (experts.gate, experts.up, experts.down)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Work list (plain jnp)
+# ---------------------------------------------------------------------------------------------
+def max_work_items(num_experts: int, num_rows: int, block_rows: int) -> int:
+  """Static bound on the work items: sum_e ceil(r_e / R) <= #non-empty + A // R."""
+  return max(1, min(num_experts, num_rows) + num_rows // block_rows)
+
+
+def default_block_rows(num_experts: int, num_rows: int) -> int:
+  """Rows per work item: the expected rows per touched expert, as a power of two in [16, 64]."""
+  per_expert = -(-num_rows // max(1, min(num_experts, num_rows)))
+  return min(64, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))
+
+
+class WorkList(NamedTuple):
+  expert: jax.Array  # int32[W]: the item's expert, -1 for the unused tail
+  first_row: jax.Array  # int32[W]: its first row in x_sorted
+  num_rows: jax.Array  # int32[W]: its rows (0 in the tail)
+  row_column: jax.Array  # int32[A]: each sorted row's position in the work layout [W * R]
+  routed: jax.Array  # bool[A]: row < sum(group_sizes)
+
+
+def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
+  """Compact list of (expert, row chunk) items over the non-empty experts, in expert order."""
+  e = group_sizes.shape[0]
+  r = block_rows
+  w_max = max_work_items(e, num_rows, r)
+  sizes = group_sizes.astype(jnp.int32)
+  chunks = (sizes + r - 1) // r
+  chunk_end = jnp.cumsum(chunks)
+  chunk_start = chunk_end - chunks
+  row_end = jnp.cumsum(sizes)
+  row_start = row_end - sizes
+  items = jnp.arange(w_max, dtype=jnp.int32)
+  # compare_all: one fused comparison; the default binary search is a while loop, and each trip of
+  # a device while loop can cost a host round trip on the GPU.
+  item_expert = jnp.minimum(jnp.searchsorted(chunk_end, items, side="right", method="compare_all"),
+                            e - 1).astype(jnp.int32)
+  chunk = items - chunk_start[item_expert]
+  live = items < chunk_end[-1]
+  first_row = row_start[item_expert] + chunk * r
+  rows_left = jnp.clip(sizes[item_expert] - chunk * r, 0, r)
+  rows = jnp.arange(num_rows, dtype=jnp.int32)
+  row_expert = jnp.minimum(jnp.searchsorted(row_end, rows, side="right", method="compare_all"),
+                           e - 1).astype(jnp.int32)
+  local = rows - row_start[row_expert]
+  row_column = (chunk_start[row_expert] + local // r) * r + local % r
+  return WorkList(expert=jnp.where(live, item_expert, -1), first_row=jnp.where(live, first_row, 0),
+                  num_rows=jnp.where(live, rows_left, 0), row_column=row_column,
+                  routed=rows < row_end[-1])
+
+
+def gather_work_rows(x_sorted, work: WorkList, block_rows: int):
+  """x_sorted [A, H] -> x_work [W * R, H]: item w's rows at [w * R, w * R + rows), zeros after."""
+  w_max = work.expert.shape[0]
+  j = jnp.arange(block_rows, dtype=jnp.int32)
+  src = work.first_row[:, None] + j[None, :]  # [W, R]
+  keep = j[None, :] < work.num_rows[:, None]
+  rows = jnp.take(x_sorted, jnp.where(keep, src, 0).reshape(-1), axis=0)
+  return jnp.where(keep.reshape(-1, 1), rows, jnp.zeros((), x_sorted.dtype)).reshape(
+      w_max * block_rows, x_sorted.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block, leaving room for barriers
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Static tiling of one kernel: input features per pipeline step and pipeline depth."""
+
+  block_k: int
+  stages: int
+
+
+# Depths that keep >= 64 KiB of weight tiles in flight per SM and let two programs share an SM.
+_BF16_GATE_UP = TileConfig(block_k=64, stages=4)
+_BF16_DOWN = TileConfig(block_k=128, stages=4)
+_INT4_GATE_UP = TileConfig(block_k=256, stages=4)
+_INT4_DOWN = TileConfig(block_k=256, stages=4)
+_INT4_SMEM = TileConfig(block_k=128, stages=4)  # the shared-memory dequant buffers take room
+
+
+def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
+                stages: int) -> int:
+  bk = cfg.block_k
+  if is_int4:
+    weights = num_w * (TILE_N * bk // 2 + bk // GROUP_SIZE * TILE_N * 2)
+  else:
+    weights = num_w * bk * TILE_N * 2
+  per_stage = weights + block_rows * bk * 2
+  fixed = block_rows * TILE_N * 2 + (num_w * 2 * TILE_N * bk * 2 if smem_dequant else 0)
+  return stages * per_stage + fixed
+
+
+def _fit_stages(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int) -> int:
+  """The configured depth, shallower if the tiles would not fit in shared memory."""
+  stages = cfg.stages
+  while stages > 2 and _smem_bytes(cfg, num_w, is_int4, smem_dequant, block_rows, stages) > SMEM_BUDGET:
+    stages -= 1
+  used = _smem_bytes(cfg, num_w, is_int4, smem_dequant, block_rows, stages)
+  if used > SMEM_BUDGET:
+    raise ValueError(f"block_rows={block_rows} needs {used} bytes of shared memory (> {SMEM_BUDGET}); "
+                     "use fewer rows per work item")
+  return stages
+
+
+def _swizzle_elems(*dims: int) -> int:
+  """Largest bf16 swizzle atom (64, 32 or 16 elements) dividing every dim.
+
+  The bulk copy engine tiles global memory by the atom, so the global minor dimension must be a
+  multiple of it; the MMA's two shared-memory operands must share one swizzle.
+  """
+  for atom in (64, 32, 16):
+    if all(d % atom == 0 for d in dims):
+      return atom
+  raise ValueError(f"dimensions {dims} must be multiples of 16")
+
+
+def _bf16_transforms(atom: int):
+  return (plgpu.TilingTransform((8, atom)), plgpu.SwizzleTransform(atom * 2))
+
+
+def _silu_mul(gate, up):
+  return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _int4_scaled_groups(q_smem, s_smem, block_k: int):
+  """Yields (group, bf16 [TILE_N, 32]) dequantised in registers, 64 input features per load."""
+  for chunk in range(block_k // 64):
+    q = q_smem[:, pl.ds(chunk * 64, 64)].astype(jnp.bfloat16)  # [TILE_N, 64]
+    for half in range(2):
+      g = 2 * chunk + half
+      scale = lax.broadcast_in_dim(s_smem[g], (TILE_N, GROUP_SIZE), (0,))
+      yield g, q[:, half * GROUP_SIZE:(half + 1) * GROUP_SIZE] * scale
+
+
+def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileConfig,
+                    block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret):
+  """One grouped projection (or the fused gate/up pair) over the work layout.
+
+  Args:
+    x_work: bf16 [W * R, K]; work_expert: int32[W] (-1: skip the item).
+    weights: tuple of bf16 [E, K, N] (one or two of them), or of ``Int4Matrix`` [E, N, K].
+    fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
+  Returns:
+    bf16 [W * R, N]; plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps
+    (each loading one tile of every weight) per program, 0 where the program skipped.
+  """
+  r, bk = block_rows, cfg.block_k
+  w_items = work_expert.shape[0]
+  num_w = len(weights)
+  is_int4 = isinstance(weights[0], Int4Matrix)
+  if is_int4:
+    _, n_out, k_in = weights[0].q.shape
+    flat_weights = [t for m in weights for t in (m.q, m.scale)]
+  else:
+    _, k_in, n_out = weights[0].shape
+    flat_weights = list(weights)
+  smem_dequant = is_int4 and int4_dequant == "smem"
+  stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r)
+  n_tiles, k_steps = pl.cdiv(n_out, TILE_N), pl.cdiv(k_in, bk)
+  if is_int4:
+    # INT4 multiplies one 32-feature group at a time: the x tile's swizzle atom is one group.
+    x_atom = _swizzle_elems(k_in, GROUP_SIZE)
+    # 32-byte swizzle when K allows it (64 int4 per atom), else unswizzled 16-byte rows (one
+    # group): global memory is tiled by the atom, so K must be a multiple of it.
+    q_transforms = ((plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(32)) if k_in % 64 == 0
+                    else (plgpu.TilingTransform((8, 32)),))
+  else:
+    x_atom = _swizzle_elems(k_in, n_out, TILE_N)
+  out_atom = _swizzle_elems(n_out, TILE_N)
+
+  def body(expert_ref, x_ref, *refs):
+    w_refs = refs[:len(flat_weights)]
+    out_ref = refs[len(flat_weights)]
+    count_ref = refs[len(flat_weights) + 1] if count_tile_loads else None
+    out_smem, *deq_smem = refs[len(flat_weights) + 1 + count_tile_loads:]
+    n = lax.axis_index("n")
+    w = lax.axis_index("w")
+    expert = expert_ref[w]
+
+    if count_tile_loads:
+      @pl.when(expert < 0)
+      def _():
+        count_ref[n, w] = jnp.int32(0)
+
+    @pl.when(expert >= 0)
+    def _():
+      def acc_scope(*accs):
+        def step(idx, *args):
+          smem, count = args[:-1], args[-1]
+          x_t = smem[-1].T  # [bk, R]
+          if not is_int4:
+            for acc, w_smem in zip(accs, smem[:-1]):
+              plgpu.wgmma(acc, w_smem.T, x_t)  # [TILE_N, bk] @ [bk, R]
+            return count + 1
+          slot = lax.rem(idx[0], 2)
+          for i, acc in enumerate(accs):
+            q_smem, s_smem = smem[2 * i], smem[2 * i + 1]
+            if smem_dequant:
+              for g, a in _int4_scaled_groups(q_smem, s_smem, bk):
+                deq_smem[i].at[slot, :, pl.ds(g * GROUP_SIZE, GROUP_SIZE)][...] = a
+              plgpu.commit_smem()
+              plgpu.wgmma(acc, deq_smem[i].at[slot], x_t)
+            elif int4_dequant == "registers_serial":
+              for g, a in _int4_scaled_groups(q_smem, s_smem, bk):
+                plgpu.wgmma(acc, a, x_t.at[pl.ds(g * GROUP_SIZE, GROUP_SIZE)])
+                plgpu.wgmma_wait(0)  # drain before the next group's registers are written
+            else:
+              # Dequantise the whole tile first, then issue its MMAs back to back and drain once:
+              # no array is defined while they read their register operands.
+              tiles = list(_int4_scaled_groups(q_smem, s_smem, bk))
+              for g, a in tiles:
+                plgpu.wgmma(acc, a, x_t.at[pl.ds(g * GROUP_SIZE, GROUP_SIZE)])
+              plgpu.wgmma_wait(0)
+          return count + 1
+
+        if is_int4:
+          in_specs = []
+          for _ in range(num_w):
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk), lambda k: (n, k), transforms=q_transforms))
+            in_specs.append(plgpu.BlockSpec((bk // GROUP_SIZE, TILE_N), lambda k: (k, n)))
+        else:
+          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
+                                      delay_release=1)
+                      for _ in range(num_w)]
+        # The x tile is read by MMAs still in flight when the next step starts, unless INT4's
+        # register path waits for each.
+        x_async = not is_int4 or smem_dequant
+        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (w, k), transforms=_bf16_transforms(x_atom),
+                                        delay_release=1 if x_async else 0))
+        steps = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
+                                    max_concurrent_steps=stages, init_carry=jnp.int32(0))(
+                                        *[ref.at[expert] for ref in w_refs], x_ref)
+        if count_tile_loads:
+          count_ref[n, w] = steps
+        return tuple(acc[...] for acc in accs)
+
+      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
+      result = _silu_mul(*accs) if fuse_silu else accs[0]
+      out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
+  if count_tile_loads:
+    out_types.append(jax.ShapeDtypeStruct((n_tiles, w_items), jnp.int32))
+  scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
+  if smem_dequant:
+    scratch += [plgpu.SMEM((2, TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
+                for _ in range(num_w)]
+  kernel = plgpu.kernel(
+      body, out_type=tuple(out_types), grid=(n_tiles, w_items), grid_names=("n", "w"),
+      scratch_types=scratch, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  outs = kernel(work_expert, x_work, *flat_weights)
+  return outs if count_tile_loads else outs[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+def _check_inputs(x_sorted, group_sizes, experts):
+  if x_sorted.ndim != 2:
+    raise ValueError(f"x_sorted must be [A, H], got shape {x_sorted.shape}")
+  if x_sorted.dtype != jnp.bfloat16:
+    raise TypeError(f"the Mosaic GPU MoE kernel takes bfloat16 activations, got {x_sorted.dtype} "
+                    "(run the model in bf16 or use moe_impl='xla')")
+  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be an integer vector [E], got {group_sizes.dtype}{list(group_sizes.shape)}")
+  a, h = x_sorted.shape
+  e = group_sizes.shape[0]
+  if isinstance(experts, Int4Experts):
+    mats = (experts.gate, experts.up, experts.down)
+    for name, m in zip(("gate", "up", "down"), mats):
+      if m.q.dtype != jnp.int4 or m.scale.dtype != jnp.bfloat16:
+        raise TypeError(f"Int4 {name}: q must be int4 and scale bfloat16, got {m.q.dtype}, {m.scale.dtype}")
+      en, n, k = m.q.shape
+      if k % GROUP_SIZE or m.scale.shape != (en, k // GROUP_SIZE, n):
+        raise ValueError(f"Int4 {name}: q {list(m.q.shape)} / scale {list(m.scale.shape)} is not "
+                         f"[E, N, K] / [E, K/{GROUP_SIZE}, N] with K a multiple of {GROUP_SIZE}")
+    shapes = [(m.num_experts, m.in_features, m.out_features) for m in mats]
+  else:
+    if not isinstance(experts, (tuple, list)) or len(experts) != 3:
+      raise TypeError("experts must be Bf16Experts(gate, up, down) or Int4Experts")
+    for name, t in zip(("gate", "up", "down"), experts):
+      if t.ndim != 3 or t.dtype != jnp.bfloat16:
+        raise TypeError(f"bf16 expert weight {name} must be bfloat16 [E, in, out], got {t.dtype}{list(t.shape)}")
+    shapes = [tuple(t.shape) for t in experts]
+  (eg, hg, ig), (eu, hu, iu), (ed, id_, hd) = shapes
+  if not (eg == eu == ed == e) or not (hg == hu == hd == h) or not (ig == iu == id_):
+    raise ValueError(f"expert shapes gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} (as E, in, out) do "
+                     f"not match x_sorted [A={a}, H={h}] and group_sizes [E={e}]")
+  if h % 8 or ig % 8:
+    raise ValueError(f"hidden {h} and intermediate {ig} sizes must be multiples of 8 (16-byte rows for "
+                     "the bulk copy engine)")
+  return a, h, ig, e
+
+
+def _resolve_options(a: int, e: int, block_rows, int4_dequant, interpret):
+  r = block_rows or default_block_rows(e, a)
+  if r % MIN_BLOCK_ROWS or not MIN_BLOCK_ROWS <= r <= 128:
+    raise ValueError(f"block_rows={r} must be a multiple of {MIN_BLOCK_ROWS} in [16, 128]")
+  # Register operands need the real tensor cores: interpret mode (or any non-GPU backend, e.g.
+  # under plgpu.force_gpu_interpret_mode) runs the shared-memory form.
+  on_gpu = interpret is None and jax.default_backend() == "gpu"
+  dequant = int4_dequant or ("registers" if on_gpu else "smem")
+  if dequant not in ("registers", "registers_serial", "smem"):
+    raise ValueError(f"int4_dequant={int4_dequant!r}: expected 'registers', 'registers_serial' or 'smem'")
+  return r, dequant
+
+
+def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, interpret, count_tile_loads):
+  a, _, _, e = _check_inputs(x_sorted, group_sizes, experts)
+  r, dequant = _resolve_options(a, e, block_rows, int4_dequant, interpret)
+  work = work_list(group_sizes, a, r)
+  x_work = gather_work_rows(x_sorted, work, r)
+  outs = _expert_projections(x_work, work.expert, experts, r, dequant, interpret, count_tile_loads)
+  out = outs[0] if count_tile_loads else outs
+  # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero.
+  y = jnp.take(out, jnp.clip(work.row_column, 0, out.shape[0] - 1), axis=0)
+  y = jnp.where(work.routed[:, None], y, jnp.zeros((), y.dtype)).astype(x_sorted.dtype)
+  return (y, *outs[1:]) if count_tile_loads else y
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "interpret"))
+def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
+                int4_dequant: str | None = None, interpret=None):
+  """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
+
+  Args:
+    x_sorted: bf16 [A, H] rows grouped by expert in expert order (rows past sum(group_sizes)
+      are never read).
+    group_sizes: int[E] rows per expert.
+    experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts``.
+    block_rows: rows per work item (static; default from A / E, see ``default_block_rows``).
+    int4_dequant: "registers": the dequantised INT4 tile is the MMA's A operand straight from
+      registers, a step's MMAs issued back to back; "registers_serial": the same, draining the
+      MMA after each 32-feature group; "smem": staged through shared memory (the form interpret
+      mode can run: it models only shared-memory MMA operands). Default: "registers" on the
+      GPU, else "smem".
+    interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
+  Returns:
+    bf16 [A, H]; zero for rows past sum(group_sizes).
+  """
+  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, interpret, False)
+
+
+def _expert_projections(x_work, work_expert, experts, block_rows, dequant, interpret,
+                        count_tile_loads=False):
+  """gate/up then down over the work layout: bf16 [W * R, H] -> bf16 [W * R, H]."""
+  is_int4 = isinstance(experts, Int4Experts)
+  smem = dequant == "smem"
+  common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
+                count_tile_loads=count_tile_loads)
+  h = _grouped_kernel(x_work, work_expert, (experts.gate, experts.up), fuse_silu=True,
+                      cfg=(_INT4_SMEM if smem else _INT4_GATE_UP) if is_int4 else _BF16_GATE_UP, **common)
+  h, h_loads = h if count_tile_loads else (h, None)
+  out = _grouped_kernel(h, work_expert, (experts.down,), fuse_silu=False,
+                        cfg=(_INT4_SMEM if smem else _INT4_DOWN) if is_int4 else _BF16_DOWN, **common)
+  if count_tile_loads:
+    out, out_loads = out
+    return out, h_loads, out_loads
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "interpret"))
+def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
+                                int4_dequant: str | None = None, interpret=None):
+  """``moe_experts`` plus the weight tiles each program loaded (the structural check).
+
+  Returns:
+    (y [A, H], gate_up_steps int32 [ceil(I / 64), W], down_steps int32 [ceil(H / 64), W]): the
+    pipeline steps each (output tile, work item) program ran, each loading one [64, block_k]
+    tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
+  """
+  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, interpret, True)
+
+
+def reference_experts(x_sorted, group_sizes, experts):
+  """The plain reference in float32: ragged_dot on bf16 weights (dequantised first for INT4)."""
+  if isinstance(experts, Int4Experts):
+    experts = dequantize_experts(experts)
+  x = x_sorted.astype(jnp.float32)
+  gate = lax.ragged_dot(x, experts.gate.astype(jnp.float32), group_sizes, precision=lax.Precision.HIGHEST)
+  up = lax.ragged_dot(x, experts.up.astype(jnp.float32), group_sizes, precision=lax.Precision.HIGHEST)
+  hidden = jax.nn.silu(gate) * up
+  return lax.ragged_dot(hidden, experts.down.astype(jnp.float32), group_sizes,
+                        precision=lax.Precision.HIGHEST)
