@@ -30,6 +30,26 @@ def window_mask(visibility, valid):
   return jnp.where(valid[:, :, None], real, eye[None])
 
 
+def window_mask_bits(visibility, valid):
+  """``window_mask`` bit-packed by row, the form the Pallas tree-attention kernel reads.
+
+  Args:
+    visibility: bool[B, Q, Q]; valid: bool[B, Q] (as in ``window_mask``).
+  Returns:
+    int32[B, Q, W] with W = ceil(Q / 32): bit ``j % 32`` of word ``j // 32`` of row i is
+    ``window_mask(visibility, valid)[b, i, j]``; bits for j >= Q are 0.
+  """
+  mask = window_mask(visibility, valid)
+  batch, q_len = mask.shape[:2]
+  words = -(-q_len // 32)
+  mask = jnp.pad(mask, ((0, 0), (0, 0), (0, words * 32 - q_len)))
+  bits = mask.reshape(batch, q_len, words, 32).astype(jnp.uint32)
+  weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  # Distinct powers of two never carry, so the sum is the bitwise or.
+  packed = jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
+  return jax.lax.bitcast_convert_type(packed, jnp.int32)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tree:

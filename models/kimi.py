@@ -163,10 +163,20 @@ class MLAttention(nnx.Module):
 
 
 def _attention_impl(cfg: KimiConfig):
+  """The tree attention ``cfg.attention_impl`` selects; both share the reference's signature.
+
+  "xla": the plain-jnp reference. "pallas": the Mosaic GPU kernel (forward only, no VJP). It needs a
+  GPU backend: elsewhere this raises instead of silently running the kernel interpreter, which is
+  for the kernel's tests and far too slow for a model.
+  """
   if cfg.attention_impl == "pallas":
-    raise NotImplementedError(
-        "attention_impl='pallas' needs the Mosaic GPU tree-attention kernel "
-        "(pallas_kernels/tree_attention.py), which is not written yet; use 'xla'")
+    if jax.default_backend() != "gpu":
+      raise RuntimeError(
+          f"attention_impl='pallas' runs the Mosaic GPU kernel and needs a GPU backend, not "
+          f"{jax.default_backend()!r}; use attention_impl='xla' here")
+    # Imported here so that Mosaic GPU is only loaded when the kernel is selected.
+    from pallas_kernels import tree_attention
+    return tree_attention.mla_tree_attention
   return reference.mla_tree_attention
 
 

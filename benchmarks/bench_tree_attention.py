@@ -1,0 +1,377 @@
+"""Tree-verify attention on the GPU: the Mosaic GPU kernel against its roofline and the plain-jnp reference.
+
+    PYTHONPATH=. python3 benchmarks/bench_tree_attention.py --out benchmarks/results   # on the GPU
+
+Kimi's per-GPU shape under tensor parallelism: absorbed MLA, R=512 latent + P=64 rope, bf16 cache,
+heads {8, 64} x batch {1, 8, 32} x cached tokens {4k, 32k, 128k} x q_len {1, 9, 17, 33, 65}.
+
+Per cell (DESIGN §4): bytes = (cached + q_len) * 1152 per request, flops = 2 * heads * q_len *
+(576 + 512) per token and request; roofline time = max(bytes / stream_bw, flops / matmul_peak)
+with a read-only stream (a sum over 4 GiB) and an 8192^3 bf16 matmul measured in the same run.
+Times are medians of per-call GPU time from CUPTI (the sum of the call's kernels, launch gaps
+excluded), over calls that rotate through enough request slots to keep the KV out of L2; the
+kernel's own time (its merge epilogue and index prep excluded) is reported beside it.
+
+Every cell's kernel output is checked against the reference (bf16 inputs, float32 math) where the
+reference fits; the reference is timed there too. jax's own decode attention (Pallas Triton, the
+one in ``jax.experimental.pallas.ops.gpu.decode_attention``) applies to q_len 1 only and is timed
+on the 512-wide latent alone (its head dim must be a power of two: the rope part is left out, so
+it moves 1024 of the 1152 bytes per token and is a lower bound on its cost for this problem).
+
+Writes ``bench_tree_attention.json`` and ``.md`` (``.png`` with ``--plot``). Cells run in priority
+order (the issue's goal cells first) until ``--budget-s`` runs out; skipped cells are listed.
+"""
+
+import argparse
+import functools
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import reference
+from pallas_kernels import tree_attention as ta
+
+LATENT, ROPE = 512, 64
+BYTES_PER_TOKEN = (LATENT + ROPE) * 2  # 1152
+L2_BYTES = 60e6
+SCALE = 1.0 / math.sqrt(192)
+
+
+def cupti_times(fn, arg_sets, warmup=1):
+  """Per-call GPU time (ms, all kernels of the call summed) and the longest kernel's time."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  for args in arg_sets[:warmup]:
+    jax.block_until_ready(fn(*args))
+  ext._cupti_init()
+  try:
+    outs = [fn(*args) for args in arg_sets]
+    jax.block_until_ready(outs)
+  finally:
+    timings = ext._cupti_get_timings(True)
+  per_call = len(timings) // len(arg_sets)
+  if per_call == 0 or len(timings) % len(arg_sets):
+    raise RuntimeError(f"{len(timings)} kernel timings for {len(arg_sets)} calls")
+  calls = [timings[i * per_call:(i + 1) * per_call] for i in range(len(arg_sets))]
+  total = [sum(t for _, t in c) for c in calls]
+  longest = [max(t for _, t in c) for c in calls]
+  return statistics.median(total), statistics.median(longest), per_call
+
+
+def wall_times(fn, arg_sets):
+  """Fallback when CUPTI is unavailable: dispatch all calls, then block (ms per call)."""
+  jax.block_until_ready(fn(*arg_sets[0]))
+  start = time.perf_counter()
+  jax.block_until_ready([fn(*args) for args in arg_sets])
+  ms = (time.perf_counter() - start) * 1e3 / len(arg_sets)
+  return ms, ms, None
+
+
+def timed(fn, arg_sets):
+  try:
+    return cupti_times(fn, arg_sets) + ("cupti",)
+  except Exception as e:  # noqa: BLE001 - fall back and say so in the results
+    print(f"  cupti failed ({type(e).__name__}: {e}); wall clock instead", flush=True)
+    return wall_times(fn, arg_sets) + ("wall",)
+
+
+def ceilings():
+  """Read-only stream bandwidth (bytes/s) and bf16 matmul rate (flop/s) on this GPU, now."""
+  x = jax.random.normal(jax.random.key(0), (1 << 31,), jnp.bfloat16)  # 4 GiB
+  stream = jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32))
+  ms, _, _, _ = timed(stream, [(x,)] * 10)
+  bandwidth = x.size * 2 / (ms * 1e-3)
+  del x
+  a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+  mm = jax.jit(lambda p, q: p @ q)
+  ms, _, _, _ = timed(mm, [(a, b)] * 10)
+  peak = 2 * 8192**3 / (ms * 1e-3)
+  return bandwidth, peak
+
+
+def make_pool(batch, cache_len, rotations, key):
+  """bf16 pools with ``batch * rotations`` slots of ``cache_len`` tokens (random, not zeros)."""
+  slots = batch * rotations
+  k1, k2 = jax.random.split(key)
+  c_kv = jax.random.normal(k1, (slots, cache_len, LATENT), jnp.bfloat16)
+  k_pe = jax.random.normal(k2, (slots, cache_len, ROPE), jnp.bfloat16)
+  return c_kv, k_pe
+
+
+def window(batch, q_len, cached, key):
+  """A random tree per request (chain-heavy, like DDTree output) with a few padded rows."""
+  rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 1 << 30)))
+  parents = np.full((batch, q_len), -1, np.int32)
+  for i in range(1, q_len):
+    parents[:, i] = rng.integers(max(0, i - 3), i, size=batch)
+  valid = np.ones((batch, q_len), bool)
+  if q_len > 2:
+    valid[:, -1] = False  # one padded row per request
+  from ddtree_jax.tree import visibility_from_parents
+  visibility = visibility_from_parents(jnp.asarray(parents), jnp.asarray(valid))
+  prefix = jnp.full((batch,), cached, jnp.int32)
+  return prefix, visibility, jnp.asarray(valid)
+
+
+def cell_metrics(heads, batch, cached, q_len, seconds, bandwidth, peak):
+  tokens = cached + q_len
+  bytes_moved = batch * tokens * BYTES_PER_TOKEN
+  flops = batch * 2 * heads * q_len * (LATENT + ROPE + LATENT) * tokens
+  roof = max(bytes_moved / bandwidth, flops / peak)
+  return dict(bytes=bytes_moved, flops=flops, roofline_us=roof * 1e6,
+              bytes_per_s=bytes_moved / seconds, flops_per_s=flops / seconds,
+              roofline_fraction=roof / seconds)
+
+
+def reference_fits(heads, batch, cached, q_len):
+  t = cached + q_len
+  need = batch * t * (LATENT + ROPE) * 4 * 2 + batch * heads * q_len * t * 4 * 4
+  return need < 60e9
+
+
+def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_splits=None,
+             partial_dtype="float32", check=True):
+  c_kv, k_pe = pool
+  rotations = c_kv.shape[0] // batch
+  key = jax.random.key(heads * 1000003 + batch * 101 + cached + q_len)
+  kq, kr, kw = jax.random.split(key, 3)
+  q_lat = jax.random.normal(kq, (batch, q_len, heads, LATENT), jnp.bfloat16)
+  q_rope = jax.random.normal(kr, (batch, q_len, heads, ROPE), jnp.bfloat16)
+  prefix, visibility, valid = window(batch, q_len, cached, kw)
+  slot_sets = [jnp.arange(r * batch, (r + 1) * batch, dtype=jnp.int32) for r in range(rotations)]
+  est = cell_metrics(heads, batch, cached, q_len, 1.0, bandwidth, peak)["roofline_us"] * 1e-6
+  calls = int(min(max(args.min_calls, 0.15 / max(est * 3, 1e-6)), args.max_calls))
+  arg_sets = [(q_lat, q_rope, c_kv, k_pe, slot_sets[i % rotations], prefix, visibility, valid)
+              for i in range(calls)]
+  kernel = jax.jit(functools.partial(ta.mla_tree_attention, scale=SCALE, num_splits=num_splits,
+                                     partial_dtype=partial_dtype))
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(kernel(*arg_sets[0]))
+  compile_s = time.perf_counter() - t0
+  total_ms, kernel_ms, kernels, how = timed(kernel, arg_sets)
+  row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len, calls=calls,
+             time_us=total_ms * 1e3, kernel_us=kernel_ms * 1e3, kernels_per_call=kernels,
+             timer=how, compile_s=round(compile_s, 2), num_splits=num_splits,
+             partial_dtype=partial_dtype)
+  plan = ta.plan(q_len=q_len, heads_per_group=heads, num_work=batch, key_dims=(LATENT, ROPE),
+                 value_dim=LATENT, shared_value=True, cache_len=c_kv.shape[1],
+                 num_splits=num_splits)
+  row.update(rows_per_tile=plan.rows_per_tile, row_tiles=plan.num_row_tiles,
+             splits=plan.num_splits)
+  row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak))
+  row["kernel_only_roofline_fraction"] = row["roofline_us"] / row["kernel_us"]
+  if check and reference_fits(heads, batch, cached, q_len):
+    # The reference reads every pool column: give it a pool of exactly cached + q_len columns.
+    t_cols = cached + q_len
+    small = (c_kv[:batch, :t_cols], k_pe[:batch, :t_cols])
+    ref_slots = jnp.arange(batch, dtype=jnp.int32)
+    ref = jax.jit(functools.partial(reference.mla_tree_attention, scale=SCALE))
+    ref_args = (q_lat, q_rope, *small, ref_slots, prefix, visibility, valid)
+    want = ref(*ref_args)
+    got = kernel(q_lat, q_rope, c_kv, k_pe, ref_slots, prefix, visibility, valid)
+    err = jnp.abs(got - want)
+    row["max_abs_err"] = float(jnp.max(jnp.where(valid[:, :, None, None], err, 0)))
+    row["finite"] = bool(jnp.isfinite(got).all())
+    ref_calls = max(3, min(calls, 20))
+    ref_ms, _, _, _ = timed(ref, [ref_args] * ref_calls)
+    row["reference_us"] = ref_ms * 1e3
+    row["speedup_vs_reference"] = ref_ms / total_ms
+    del want, got, small
+  if q_len == 1 and args.decode_attention and check:
+    row.update(decode_attention(heads, batch, cached, c_kv, prefix))
+  del out
+  return row
+
+
+def decode_attention(heads, batch, cached, c_kv, prefix):
+  """jax's Pallas (Triton) decode attention on the 512-wide latent (rope omitted)."""
+  try:
+    import warnings
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      from jax.experimental.pallas.ops.gpu import decode_attention as da
+    # Its grid splits the whole key length 16 ways: give it the cached columns rounded up to 4096.
+    kv = c_kv[:batch, :-(-(cached + 1) // 4096) * 4096]
+    q = jax.random.normal(jax.random.key(5), (batch, heads, LATENT), jnp.bfloat16)
+    # block_k 32: its default tiles of 256 keys x 512 need more shared memory than the GPU has.
+    fn = jax.jit(lambda q, k, n: da.mqa(q, k, k, kv_seq_len=n, sm_scale=SCALE, block_k=32))
+    n = prefix + 1
+    ms, _, _, _ = timed(fn, [(q, kv, n)] * 10)
+    return {"decode_attention_us": ms * 1e3, "decode_attention_note": "latent only (1024 B/token)"}
+  except Exception as e:  # noqa: BLE001 - report why it does not apply
+    return {"decode_attention_us": None,
+            "decode_attention_note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+
+
+def cells(args):
+  """All cells, the issue's goal cells (heads 8, cached >= 32k) first."""
+  out = []
+  for heads in args.heads:
+    for batch in args.batch:
+      for cached in args.cached:
+        for q_len in args.q_len:
+          goal = heads == 8 and cached >= 32768
+          out.append((0 if goal else 1, heads, batch, cached, q_len))
+  out.sort(key=lambda c: (c[0], c[2], -c[3], c[1], c[4]))
+  return [c[1:] for c in out]
+
+
+def is_variant(r):
+  return r.get("num_splits") is not None or r.get("partial_dtype", "float32") != "float32"
+
+
+def markdown(results):
+  lines = [f"# Tree-verify attention (MLA, R=512, P=64, bf16) on {results['device']}", ""]
+  lines.append(f"Ceilings measured in the same run: read-only stream {results['stream_GBps']:.0f} GB/s, "
+               f"bf16 matmul {results['matmul_TFLOPs']:.0f} TFLOP/s. Roofline = max(bytes / stream, "
+               f"flops / matmul). Times: median per-call GPU time (CUPTI; all kernels of the call), "
+               f"kernel = the attention kernel alone (no index prep, no merge).")
+  lines.append("")
+  lines.append("| heads | batch | cached | q_len | tiles x splits | time us | kernel us | roofline us | "
+               "roofline frac | TB/s | TFLOP/s | reference us | speedup | decode attn us | max err |")
+  lines.append("| --- " * 15 + "|")
+  for r in sorted(results["rows"], key=lambda r: (r["heads"], r["batch"], r["cached"], r["q_len"])):
+    if is_variant(r) or "error" in r:
+      continue
+    ref = f"{r['reference_us']:.1f}" if r.get("reference_us") else "-"
+    sp = f"{r['speedup_vs_reference']:.1f}x" if r.get("speedup_vs_reference") else "-"
+    da = f"{r['decode_attention_us']:.1f}" if r.get("decode_attention_us") else "-"
+    err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
+    lines.append(
+        f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
+        f"{r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | {r['kernel_us']:.1f} | "
+        f"{r['roofline_us']:.1f} | {r['roofline_fraction']:.2f} | {r['bytes_per_s'] / 1e12:.2f} | "
+        f"{r['flops_per_s'] / 1e12:.0f} | {ref} | {sp} | {da} | {err} |")
+  tuning = [r for r in results["rows"] if is_variant(r) and "error" not in r]
+  if tuning:
+    lines += ["", "Variants (split count, bf16 partials):", "",
+              "| heads | batch | cached | q_len | splits | partials | time us | kernel us | "
+              "roofline frac | max err |", "| --- " * 10 + "|"]
+    for r in tuning:
+      err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
+      lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
+                   f"{r['splits']} | {r['partial_dtype']} | {r['time_us']:.1f} | "
+                   f"{r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
+  errors = [r for r in results["rows"] if "error" in r]
+  if errors:
+    lines += ["", "Failed cells:", ""] + [
+        f"- heads {r['heads']} batch {r['batch']} cached {r['cached']} q_len {r['q_len']}: {r['error']}"
+        for r in errors]
+  if results.get("skipped"):
+    lines += ["", f"Skipped for time: {len(results['skipped'])} cells: " +
+              ", ".join(f"h{h}/b{b}/{c // 1024}k/q{q}" for h, b, c, q in results["skipped"])]
+  lines += ["", f"Command: `{results['command']}`", ""]
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser.add_argument("--heads", type=int, nargs="+", default=[8, 64])
+  parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+  parser.add_argument("--cached", type=int, nargs="+", default=[4096, 32768, 131072])
+  parser.add_argument("--q-len", type=int, nargs="+", default=[1, 9, 17, 33, 65])
+  parser.add_argument("--min-calls", type=int, default=5)
+  parser.add_argument("--max-calls", type=int, default=60)
+  parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting cells after this")
+  parser.add_argument("--tune", action="store_true", help="also time split counts / bf16 partials")
+  parser.add_argument("--no-decode-attention", dest="decode_attention", action="store_false")
+  parser.add_argument("--plot", action="store_true")
+  parser.add_argument("--name", default="bench_tree_attention")
+  args = parser.parse_args()
+  start = time.perf_counter()
+  bandwidth, peak = ceilings()
+  print(f"stream {bandwidth / 1e9:.0f} GB/s, matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
+  results = {"device": str(jax.devices()[0]), "jax": jax.__version__,
+             "python": platform.python_version(), "stream_GBps": bandwidth / 1e9,
+             "matmul_TFLOPs": peak / 1e12, "command": "python3 " + " ".join(sys.argv),
+             "rows": [], "skipped": []}
+  max_cached = max(args.cached)
+  pools = {}
+  todo = cells(args)
+  for i, (heads, batch, cached, q_len) in enumerate(todo):
+    if time.perf_counter() - start > args.budget_s:
+      results["skipped"] = todo[i:]
+      break
+    if batch not in pools:
+      pools.clear()
+      # One pool per batch size, long enough for every cached length (the kernel reads only each
+      # request's live columns), with enough slot rotations that timed calls miss L2.
+      pool_len = max_cached + 4096  # a multiple of 4096 for the decode-attention baseline
+      per_set = batch * pool_len * BYTES_PER_TOKEN
+      rotations = max(2, min(16, math.ceil(3 * L2_BYTES / (batch * 4160 * BYTES_PER_TOKEN))))
+      rotations = max(1, min(rotations, int(24e9 // per_set)))
+      pools[batch] = make_pool(batch, pool_len, rotations, jax.random.key(batch))
+    try:
+      row = run_cell(heads, batch, cached, q_len, pools[batch], bandwidth, peak, args)
+    except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
+      traceback.print_exc()
+      row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len,
+                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    results["rows"].append(row)
+    msg = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+           if k in ("heads", "batch", "cached", "q_len", "time_us", "kernel_us", "roofline_us",
+                    "roofline_fraction", "reference_us", "speedup_vs_reference", "max_abs_err",
+                    "decode_attention_us", "error", "splits", "row_tiles", "compile_s")}
+    print(msg, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+  if args.tune and time.perf_counter() - start < args.budget_s + 60:
+    for heads, batch, cached, q_len in [(8, 1, 32768, 1), (8, 1, 32768, 17), (8, 8, 32768, 9)]:
+      if batch not in pools:
+        pools.clear()
+        pools[batch] = make_pool(batch, max_cached + 4096, 4, jax.random.key(batch))
+      for splits, dtype in [(16, "float32"), (33, "float32"), (66, "float32"), (None, "bfloat16")]:
+        try:
+          row = run_cell(heads, batch, cached, q_len, pools[batch], bandwidth, peak, args,
+                         num_splits=splits, partial_dtype=dtype, check=False)
+          print({k: row[k] for k in ("heads", "batch", "cached", "q_len", "splits", "partial_dtype",
+                                     "time_us", "kernel_us", "roofline_fraction")}, flush=True)
+        except Exception as e:  # noqa: BLE001
+          row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len, num_splits=splits,
+                     error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        results["rows"].append(row)
+  results["seconds"] = time.perf_counter() - start
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+  (args.out / f"{args.name}.md").write_text(markdown(results))
+  print(markdown(results))
+  if args.plot:
+    plot(results, args.out / f"{args.name}.png")
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in results["rows"] if "error" not in r and not is_variant(r)]
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  for ax, heads in zip(axes, (8, 64)):
+    for batch, marker in zip((1, 8, 32), "os^"):
+      for cached, color in zip((4096, 32768, 131072), ("tab:blue", "tab:orange", "tab:green")):
+        pts = sorted((r["q_len"], r["roofline_fraction"]) for r in rows
+                     if r["heads"] == heads and r["batch"] == batch and r["cached"] == cached)
+        if pts:
+          ax.plot(*zip(*pts), marker=marker, color=color,
+                  label=f"b{batch} {cached // 1024}k")
+    ax.axhline(0.7, color="gray", ls="--", lw=1)
+    ax.set_title(f"{heads} heads")
+    ax.set_xlabel("q_len")
+  axes[0].set_ylabel("fraction of roofline")
+  axes[1].legend(fontsize=7, ncol=3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+  main()

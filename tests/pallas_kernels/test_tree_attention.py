@@ -1,0 +1,222 @@
+"""The Mosaic GPU tree-attention kernel against the plain-jnp reference, in GPU interpret mode (CPU).
+
+Every call runs under ``plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)``:
+shared memory starts as NaN (an unwritten tile would poison the output) and the interpreter's race
+detector must report nothing. The kernel multiplies in bfloat16, so the reference gets the same
+bf16-rounded inputs and computes in float32; what remains is the kernel's own rounding of the
+probabilities and of the per-split partial outputs to bf16 (bound below).
+
+Shapes are small (interpret mode runs every warpgroup in Python); two cases use Kimi's widths.
+"""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ddtree_jax import tree as tree_lib
+from models import kimi
+from models.config import KimiConfig
+from pallas_kernels import reference
+from pallas_kernels import tree_attention as ta
+
+INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+# The kernel rounds the probabilities to bf16 (2^-9 relative) for the second product; on these
+# unit-normal values that leaves errors up to ~2e-3. A flipped visibility bit of a real row moves
+# that row's output by ~2e-2 to 3 here (sharp attention, prominent window keys), so 5e-3 catches
+# mask errors. With bf16 partial outputs one more 2^-9 rounding of |o| < ~4 adds up to ~8e-3.
+ATOL = 5e-3
+ATOL_BF16_PARTIALS = 1.5e-2
+
+
+def bf16(x):
+  return jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def random_window(rng, batch, q_len, cache_len, *, tree=True):
+  """Random trees (parents before children) with random padding; distinct slots and lengths.
+
+  Returns (slots, prefix_len, visibility, valid) as jnp arrays.
+  """
+  parents = np.zeros((batch, q_len), np.int32)
+  valid = np.ones((batch, q_len), bool)
+  for b in range(batch):
+    parents[b, 0] = -1
+    for i in range(1, q_len):
+      parents[b, i] = rng.integers(0, i)
+    if q_len > 1:
+      # Random padding: each non-root row is padded with probability 0.3, and so are its
+      # descendants (padding comes from a smaller tree), except one batch row stays full.
+      if b != 0:
+        pad = rng.random(q_len) < 0.3
+        pad[0] = False
+        for i in range(1, q_len):
+          pad[i] |= pad[parents[b, i]]
+        valid[b] = ~pad
+  if tree:
+    visibility = np.asarray(tree_lib.visibility_from_parents(jnp.asarray(parents), jnp.asarray(valid)))
+  else:  # any relation at all: the kernel must not assume ancestor closure
+    visibility = rng.random((batch, q_len, q_len)) < 0.5
+  slots = rng.permutation(batch + 2)[:batch].astype(np.int32)
+  prefix_len = rng.integers(0, cache_len - q_len + 1, size=batch).astype(np.int32)
+  return (jnp.asarray(slots), jnp.asarray(prefix_len), jnp.asarray(visibility), jnp.asarray(valid))
+
+
+def check_no_races():
+  assert not gpu_interpret.get_races().races_found, "the GPU interpreter reported a data race"
+
+
+def run_mla(rng, *, batch, q_len, heads, latent, rope, cache_len, num_splits=None, dtype=jnp.float32,
+            tree=True, partial_dtype="float32"):
+  slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len, tree=tree)
+  pool = batch + 2
+  q_lat = rng.standard_normal((batch, q_len, heads, latent)).astype(np.float32)
+  q_rope = rng.standard_normal((batch, q_len, heads, rope)).astype(np.float32)
+  c_kv = rng.standard_normal((pool, cache_len, latent)).astype(np.float32)
+  k_pe = rng.standard_normal((pool, cache_len, rope)).astype(np.float32)
+  # Sharp attention, and the window's rope keys scaled up so window columns often carry most of
+  # the weight: a wrong mask bit then moves the output by far more than the tolerance.
+  for slot, start in zip(np.asarray(slots), np.asarray(prefix_len)):
+    k_pe[slot, start:start + q_len] *= 3.0
+  scale = 1.5 / np.sqrt(latent + rope)
+  args = [jnp.asarray(x, dtype) for x in (q_lat, q_rope, c_kv, k_pe)]
+  got = ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=scale,
+                              interpret=INTERPRET, num_splits=num_splits,
+                              partial_dtype=partial_dtype)
+  check_no_races()
+  want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
+                                      scale=scale)
+  return np.asarray(got), np.asarray(want), np.asarray(valid)
+
+
+def assert_matches(got, want, valid, atol=ATOL):
+  assert got.dtype == np.float32 and got.shape == want.shape
+  assert np.isfinite(got).all()
+  real = valid[:, :, None, None] & np.ones(got.shape, bool)
+  np.testing.assert_allclose(got[real], want[real], atol=atol, rtol=0)
+  # Padded rows see only their own column: finite, and equal to that column's value row.
+  np.testing.assert_allclose(got[~real], want[~real], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 5, 9, 16, 17, 23, 32, 33, 64, 65])
+def test_mla_matches_reference_on_random_trees(q_len):
+  # Cache lengths 203 + Q: rarely a multiple of the 64-column tile or of 8 (the kernel pads the
+  # pool then); three splits so that each request's columns cross split and tile borders at
+  # different places.
+  rng = np.random.default_rng(q_len)
+  got, want, valid = run_mla(rng, batch=2, q_len=q_len, heads=2, latent=64, rope=32,
+                             cache_len=203 + q_len, num_splits=3)
+  assert_matches(got, want, valid)
+
+
+def test_mla_any_visibility_relation_and_more_splits_than_tiles():
+  # A non-tree visibility and 8 splits over at most 4 tiles: empty splits must merge away.
+  rng = np.random.default_rng(100)
+  got, want, valid = run_mla(rng, batch=2, q_len=7, heads=3, latent=64, rope=32, cache_len=250,
+                             num_splits=8, tree=False)
+  assert_matches(got, want, valid)
+
+
+def test_mla_bf16_partial_outputs():
+  rng = np.random.default_rng(101)
+  got, want, valid = run_mla(rng, batch=2, q_len=9, heads=2, latent=64, rope=32, cache_len=180,
+                             num_splits=2, partial_dtype="bfloat16")
+  assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
+
+
+def test_mla_kimi_widths_bf16_inputs():
+  # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree.
+  rng = np.random.default_rng(7)
+  got, want, valid = run_mla(rng, batch=2, q_len=17, heads=8, latent=512, rope=64, cache_len=136,
+                             num_splits=2, dtype=jnp.bfloat16)
+  assert_matches(got, want, valid)
+
+
+def test_mla_demo_widths_full_budget():
+  # The demo model: R=128, P=32, 6 heads, budget 64 (Q=65): 390 rows over several row tiles.
+  rng = np.random.default_rng(8)
+  got, want, valid = run_mla(rng, batch=1, q_len=65, heads=6, latent=128, rope=32, cache_len=140,
+                             num_splits=1)
+  assert_matches(got, want, valid)
+
+
+@pytest.mark.parametrize("q_len,heads,groups", [(1, 4, 2), (9, 6, 2), (17, 4, 4)])
+def test_mha_matches_reference(q_len, heads, groups):
+  rng = np.random.default_rng(200 + q_len)
+  batch, dim, cache_len = 2, 64, 150
+  slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
+  q = jnp.asarray(rng.standard_normal((batch, q_len, heads, dim)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
+  got = ta.mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, scale=0.125,
+                              interpret=INTERPRET, num_splits=2)
+  check_no_races()
+  want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
+                                      valid, scale=0.125)
+  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
+
+
+def test_window_mask_bits_unpack_to_window_mask():
+  rng = np.random.default_rng(3)
+  for q_len in (1, 31, 32, 33, 65):
+    visibility = jnp.asarray(rng.random((2, q_len, q_len)) < 0.5)
+    valid = jnp.asarray(rng.random((2, q_len)) < 0.7)
+    words = np.asarray(tree_lib.window_mask_bits(visibility, valid)).view(np.uint32)
+    assert words.shape == (2, q_len, -(-q_len // 32))
+    cols = np.arange(q_len)
+    unpacked = (words[:, :, cols // 32] >> (cols % 32).astype(np.uint32)) & 1
+    np.testing.assert_array_equal(unpacked.astype(bool),
+                                  np.asarray(tree_lib.window_mask(visibility, valid)))
+    # Bits past Q are zero.
+    spare = words.shape[-1] * 32 - q_len
+    if spare:
+      assert not (words[:, :, -1] >> np.uint32(32 - spare)).any()
+
+
+def test_plan_table():
+  # Kimi (R=512): 32-row tiles hold O^T in 128 registers per thread; 8 heads x 17 nodes -> 5 tiles.
+  kimi = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+                 shared_value=True, cache_len=32768)
+  assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.swizzle) == (32, 5, 64)
+  assert kimi.num_stages == 2 and kimi.num_splits * 5 >= 100
+  # One node with 8 heads: one tile, and only the 8 live rows of O^T are written.
+  decode = ta.plan(q_len=1, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+                   shared_value=True, cache_len=32768)
+  assert (decode.num_row_tiles, decode.rows_stored) == (1, 8)
+  # The demo model (R=128): wider tiles fit, and more pipeline stages.
+  demo = ta.plan(q_len=65, heads_per_group=6, num_work=1, key_dims=(128, 32), value_dim=128,
+                 shared_value=True, cache_len=4096)
+  assert demo.rows_per_tile == 64 and demo.num_stages == 4
+
+
+def test_bad_inputs_raise_clear_errors():
+  q = jnp.zeros((1, 3, 2, 64), jnp.float32)
+  qr = jnp.zeros((1, 3, 2, 32), jnp.float32)
+  c_kv = jnp.zeros((2, 100, 64), jnp.float32)
+  k_pe = jnp.zeros((2, 100, 32), jnp.float32)
+  window = (jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.ones((1, 3, 3), bool),
+            jnp.ones((1, 3), bool))
+  with pytest.raises(ValueError, match="q_rope"):
+    ta.mla_tree_attention(q, qr[:, :2], c_kv, k_pe, *window, scale=1.0)
+  with pytest.raises(ValueError, match="pools"):
+    ta.mla_tree_attention(q, qr, c_kv[..., :32], k_pe, *window, scale=1.0)
+  with pytest.raises(ValueError, match="visibility"):
+    ta.mla_tree_attention(q, qr, c_kv, k_pe, *window[:2], window[2][:, :2], window[3], scale=1.0)
+  with pytest.raises(TypeError, match="valid must be bool"):
+    ta.mla_tree_attention(q, qr, c_kv, k_pe, *window[:3], window[3].astype(jnp.int32), scale=1.0)
+  with pytest.raises(TypeError, match="c_kv"):
+    ta.mla_tree_attention(q, qr, c_kv.astype(jnp.int32), k_pe, *window, scale=1.0)
+  with pytest.raises(ValueError, match="not a multiple of kv heads"):
+    ta.mha_tree_attention(jnp.zeros((1, 3, 3, 64)), jnp.zeros((2, 100, 2, 64)),
+                          jnp.zeros((2, 100, 2, 64)), *window, scale=1.0)
+
+
+def test_model_switch_selects_the_kernel_only_on_a_gpu():
+  assert kimi._attention_impl(KimiConfig(attention_impl="xla")) is reference.mla_tree_attention
+  if jax.default_backend() == "gpu":
+    assert kimi._attention_impl(KimiConfig(attention_impl="pallas")) is ta.mla_tree_attention
+  else:
+    with pytest.raises(RuntimeError, match="needs a GPU backend"):
+      kimi._attention_impl(KimiConfig(attention_impl="pallas"))
