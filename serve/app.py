@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
 from ddtree_jax import engine as engine_lib
 from serve import protocol
@@ -26,7 +27,7 @@ from serve.text import Message, StreamText, TextError
 
 log = logging.getLogger("ddtree_jax.serve")
 
-_DISCONNECT_POLL_S = 0.5
+_ENGINE_CHECK_S = 1.0  # how often a waiting handler checks that the engine thread is alive
 
 
 class ServerState:
@@ -61,25 +62,7 @@ def create_app(state: ServerState) -> FastAPI:
   async def _api_error(_request: Request, err: ApiError):
     return JSONResponse(err.body(), status_code=err.status)
 
-  @app.middleware("http")
-  async def _guard(request: Request, call_next):
-    """API key, body size limit, and the request counter, before any route runs."""
-    path = request.url.path
-    try:
-      if state.api_key is not None and path.startswith("/v1/"):
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-          raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                         code="invalid_api_key")
-      length = request.headers.get("content-length")
-      if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-        raise ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {state.max_body_bytes}")
-      response = await call_next(request)
-    except ApiError as err:
-      response = JSONResponse(err.body(), status_code=err.status)
-    if state.engine is not None and path.startswith("/v1/"):
-      state.engine.metrics.requests.labels(path, str(response.status_code)).inc()
-    return response
+  app.add_middleware(_Guard, state=state)
 
   @app.get("/health")
   async def health():
@@ -139,6 +122,48 @@ def create_app(state: ServerState) -> FastAPI:
     return await _serve(request, eng, body, prompt_ids, max_tokens, chat=True)
 
   return app
+
+
+class _Guard:
+  """API key, body size limit and the request counter, before any route runs.
+
+  A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware``
+  relays ``receive`` through a task, and routes behind it never see ``http.disconnect``, so an
+  abandoned non-streaming request could not be cancelled.
+  """
+
+  def __init__(self, app, state: ServerState):
+    self.app = app
+    self.state = state
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    state, path = self.state, scope["path"]
+    status = {}
+
+    async def send_counted(message):
+      if message["type"] == "http.response.start":
+        status["code"] = message["status"]
+      await send(message)
+
+    try:
+      headers = Headers(scope=scope)
+      if state.api_key is not None and path.startswith("/v1/"):
+        given = headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+          raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                         code="invalid_api_key")
+      length = headers.get("content-length")
+      if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+        raise ApiError(413, f"request body of {int(length)} bytes exceeds the limit of {state.max_body_bytes}")
+    except ApiError as err:
+      await JSONResponse(err.body(), status_code=err.status)(scope, receive, send_counted)
+    else:
+      await self.app(scope, receive, send_counted)
+    finally:
+      if state.engine is not None and path.startswith("/v1/") and "code" in status:
+        state.engine.metrics.requests.labels(path, str(status["code"])).inc()
 
 
 def protocol_parse(model, obj):
@@ -222,25 +247,30 @@ async def _serve(request: Request, eng: Engine, body, prompt_ids, max_tokens, *,
     eng.loop.submit(job)
   except QueueFull as err:
     raise ApiError(429, str(err)) from None
-  reply = _Reply(eng, body, job, prompt_ids, chat)
+  reply = _Reply(eng, body, prompt_ids, chat)
+  watcher = asyncio.create_task(_watch_disconnect(request, events))
   try:
-    first = await _next_event(request, events, eng, job)
+    first = await _next_event(events, eng)
     if first.error:
       raise ApiError(500, first.error)
     if not body.stream:
       parts, event = [echo, first.text], first
       while event.finish_reason is None:
-        event = await _next_event(request, events, eng, job)
+        event = await _next_event(events, eng)
         if event.error:
           raise ApiError(500, event.error)
         parts.append(event.text)
       return reply.full("".join(parts), event)
   except _ClientGone:
+    eng.loop.cancel(job)
     return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
   except BaseException:
     eng.loop.cancel(job)  # a no-op for a job that has ended
     raise
-  return StreamingResponse(_stream(request, events, eng, job, reply, first, echo), media_type="text/event-stream",
+  finally:
+    watcher.cancel()
+  # From here on StreamingResponse notices a disconnect (a failed send) and closes the generator.
+  return StreamingResponse(_stream(events, eng, job, reply, first, echo), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -248,20 +278,34 @@ class _ClientGone(Exception):
   pass
 
 
-async def _next_event(request: Request, events: asyncio.Queue, eng: Engine, job: Job) -> Event:
-  """The job's next event; cancels the job if the client disconnects while waiting."""
+_GONE = Event(error="the client disconnected")
+
+
+async def _watch_disconnect(request: Request, events: asyncio.Queue) -> None:
+  """Puts ``_GONE`` in the job's queue when the client disconnects (the body is already read, so
+  the next ASGI message can only be ``http.disconnect``)."""
+  while True:
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
+      events.put_nowait(_GONE)
+      return
+
+
+async def _next_event(events: asyncio.Queue, eng: Engine) -> Event:
+  """The job's next event (raises _ClientGone once the client has disconnected)."""
   while True:
     try:
-      return await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+      event = await asyncio.wait_for(events.get(), _ENGINE_CHECK_S)
     except asyncio.TimeoutError:
-      if await request.is_disconnected():
-        eng.loop.cancel(job)
-        raise _ClientGone() from None
       if not eng.loop.alive:
         raise ApiError(503, "the engine thread has stopped") from None
+      continue
+    if event is _GONE:
+      raise _ClientGone()
+    return event
 
 
-async def _stream(request, events, eng: Engine, job: Job, reply: "_Reply", first: Event, echo: str) -> AsyncIterator[str]:
+async def _stream(events, eng: Engine, job: Job, reply: "_Reply", first: Event, echo: str) -> AsyncIterator[str]:
   finished = False
   try:
     yield _sse(reply.chunk(echo, None, role=True))
@@ -278,7 +322,7 @@ async def _stream(request, events, eng: Engine, job: Job, reply: "_Reply", first
         if reply.body.include_usage:
           yield _sse(reply.usage_chunk(event))
         break
-      event = await _next_event(request, events, eng, job)
+      event = await _next_event(events, eng)
     yield "data: [DONE]\n\n"
   except _ClientGone:
     pass
@@ -294,7 +338,7 @@ def _sse(obj) -> str:
 class _Reply:
   """OpenAI response bodies for one request."""
 
-  def __init__(self, eng: Engine, body, job: Job, prompt_ids, chat: bool):
+  def __init__(self, eng: Engine, body, prompt_ids, chat: bool):
     self.body = body
     self.chat = chat
     self.model = eng.config.model_name

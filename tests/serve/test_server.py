@@ -232,6 +232,15 @@ def test_client_disconnect_mid_stream_frees_its_slot(server):
   assert metric(server.url, "ddtree_free_slots") == num_slots
   assert metric(server.url, "ddtree_finished_requests_total", 'reason="cancelled"') == cancelled_before + 1
   assert server.engine.loop.snapshot()["jobs"] == 0
+  # A non-streaming client that gives up (here: a read timeout) is noticed too.
+  body.update(stream=False, max_tokens=180)
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+  deadline = time.monotonic() + 30
+  while metric(server.url, "ddtree_finished_requests_total", 'reason="cancelled"') < cancelled_before + 2:
+    assert time.monotonic() < deadline, "the abandoned non-streaming request was not cancelled"
+    time.sleep(0.05)
+  assert wait_idle(server)["free_slots"] == num_slots
 
 
 # ---- bad input -------------------------------------------------------------------------------------
