@@ -206,8 +206,13 @@ def test_32_concurrent_streaming_clients_with_mixed_sampling(server):
           usage = chunk["usage"]
     return "".join(text), usage, finish
 
+  steps_before = {b: metric(server.url, "ddtree_step_seconds_count", f'budget="{b}"') for b in (4, 8, 16)}
   with cf.ThreadPoolExecutor(32) as pool:
     results = list(pool.map(run, jobs))
+  # The budget follows the running batch: 16 rows run at budget 4 (table "1:16,4:8,16:4"), and the
+  # batch's tail, as requests finish, at the larger budgets of smaller buckets.
+  steps = {b: metric(server.url, "ddtree_step_seconds_count", f'budget="{b}"') - steps_before[b] for b in (4, 8, 16)}
+  assert steps[4] > 0 and steps[8] + steps[16] > 0, steps
   for body, (text, usage, finish) in zip(jobs, results):
     assert finish in ("stop", "length") and 1 <= usage["completion_tokens"] <= body["max_tokens"]
     assert finish == "stop" or usage["completion_tokens"] == body["max_tokens"]
