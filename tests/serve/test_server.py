@@ -182,6 +182,19 @@ def test_greedy_ddtree_server_equals_plain_server_with_16_concurrent_clients(ser
   assert count > 0 and total / count > 2.0, f"ddtree server accepted only {total / max(count, 1):.2f} per step"
 
 
+def test_long_prompt_prefills_in_chunks_and_stays_lossless(server, held_out):
+  # 170 prompt tokens: three 64-token prefill chunks, the last one partial.
+  prompt = (held_out[0] + held_out[1] + held_out[2])[:170]
+  body = {"prompt": prompt, "max_tokens": MAX_CONTEXT - 170, "temperature": 0, "return_token_ids": True,
+          "ignore_eos": True}
+  r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+  assert r.status_code == 200, r.text
+  got = r.json()["choices"][0]["token_ids"]
+  assert len(got) == MAX_CONTEXT - 170 and r.json()["usage"]["prompt_tokens"] == 170
+  reference = greedy_reference(server.engine.loop.decoder.target, [prompt], len(got), MAX_CONTEXT + 32)
+  check_near_ties([got], *reference, context="long prompt")
+
+
 # ---- many clients, sampling, disconnects ---------------------------------------------------------
 def test_32_concurrent_streaming_clients_with_mixed_sampling(server):
   rng = random.Random(5)
