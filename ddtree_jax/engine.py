@@ -352,7 +352,13 @@ class SpeculativeDecoder:
           self._build(("regather", bucket, other), regather_rows, (), self._decode_spec(bucket),
                       self._rows(other, jnp.int32), self._rows(other, jnp.bool_))
     self._build("reset_lengths", cache_lib.reset_slots, (0,), self.target_cache, one(jnp.int32))
+    self._build("fresh_caches", lambda: (cache_lib.init_cache(self.cfg, self.num_slots, self.max_len),
+                                         self.drafter.init_state(self.num_slots, self.max_len)), ())
     self.compile_seconds += time.perf_counter() - t0
+
+  def reset_caches(self) -> None:
+    """Empty caches (after a failed step; every request in them has been ended by the caller)."""
+    self.target_cache, self.drafter_state = self._aux["fresh_caches"]()
 
   def bucket_for(self, batch_size: int) -> int:
     for bucket in self.batch_buckets:
@@ -644,6 +650,10 @@ class Batch:
     self.stop_valid = pick(self.stop_valid, False)
     self.bucket = bucket
     self._device_inputs = None
+
+  def mark_idle(self) -> None:
+    """Nothing is in flight: the next step's wall time counts from its own dispatch."""
+    self._last_ready = None
 
   def dispatch(self, budget: int):
     """Enqueues one step; returns a handle for ``collect``. Never waits on the device."""

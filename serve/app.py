@@ -13,12 +13,12 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import jinja2
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
-from ddtree_jax import engine as engine_lib
 from serve import protocol
 from serve.config import Engine
 from serve.engine_loop import Event, Job, QueueFull
@@ -61,6 +61,11 @@ def create_app(state: ServerState) -> FastAPI:
   @app.exception_handler(ApiError)
   async def _api_error(_request: Request, err: ApiError):
     return JSONResponse(err.body(), status_code=err.status)
+
+  @app.exception_handler(Exception)
+  async def _unexpected(_request: Request, err: Exception):
+    log.exception("unexpected error in a request handler")
+    return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err}").body(), status_code=500)
 
   app.add_middleware(_Guard, state=state)
 
@@ -113,6 +118,8 @@ def create_app(state: ServerState) -> FastAPI:
       prompt_ids = eng.codec.chat_prompt([Message(m.role, m.text) for m in body.messages])
     except TextError as err:
       raise ApiError(400, str(err), param="messages") from None
+    except jinja2.TemplateError as err:  # the checkpoint's template itself failed
+      raise ApiError(500, f"the chat template failed: {type(err).__name__}: {err}") from None
     max_tokens = body.token_limit
     if max_tokens is None:
       max_tokens = eng.max_context - len(prompt_ids)
@@ -163,7 +170,16 @@ class _Guard:
       await self.app(scope, receive, send_counted)
     finally:
       if state.engine is not None and path.startswith("/v1/") and "code" in status:
-        state.engine.metrics.requests.labels(path, str(status["code"])).inc()
+        # Unknown paths share one label: clients must not be able to mint new series.
+        endpoint = path if path in _ROUTES else "other"
+        state.engine.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def _reject_constant(name: str):
+  raise ValueError(f"{name} is not a valid JSON number")
 
 
 def protocol_parse(model, obj):
@@ -183,8 +199,8 @@ async def _read_json(request: Request, limit: int) -> Any:
     chunks.append(chunk)
   raw = b"".join(chunks)
   try:
-    obj = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    obj = json.loads(raw, parse_constant=_reject_constant)
+  except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
     raise ApiError(400, f"malformed JSON body: {err}") from None
   if not isinstance(obj, dict):
     raise ApiError(400, "the request body must be a JSON object")
@@ -227,7 +243,7 @@ def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: b
     request = eng.loop.decoder.request(prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
                                        stop_token_ids=_stop_ids(eng, body, chat))
-  except engine_lib.EngineError as err:
+  except ValueError as err:  # EngineError and SamplingParams' checks name the argument
     raise ApiError(400, str(err)) from None
   return Job(request=request, text=StreamText(eng.codec, body.stop_strings), sink=sink)
 
@@ -326,6 +342,9 @@ async def _stream(events, eng: Engine, job: Job, reply: "_Reply", first: Event, 
     yield "data: [DONE]\n\n"
   except _ClientGone:
     pass
+  except ApiError as err:  # the engine thread stopped mid-stream
+    yield _sse(err.body())
+    yield "data: [DONE]\n\n"
   finally:
     if not finished:  # the client went away (or the server is stopping): free the slot now
       eng.loop.cancel(job)

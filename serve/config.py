@@ -107,7 +107,8 @@ def build_engine(config: ServeConfig) -> Engine:
            jax.devices()[0].device_kind)
   decoder = engine.SpeculativeDecoder(
       target, drafter, drafter_params, policy=config.spec if config.spec != "none" else "chain",
-      budgets=budgets, batch_buckets=buckets, bucket_budgets={b: table.budget_for(b) for b in buckets},
+      budgets=budgets, batch_buckets=buckets,
+      bucket_budgets={b: table.budgets_for_bucket(b, prev) for b, prev in zip(buckets, (0,) + buckets[:-1])},
       max_len=config.max_context + max_q_len, prefill_chunk=min(config.prefill_chunk, config.max_context),
       compile_cache_dir=config.compile_cache_dir, max_stop_tokens=config.max_stop_ids, show_progress=False)
   metrics.compile_seconds.set(decoder.compile_seconds)

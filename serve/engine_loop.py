@@ -62,11 +62,12 @@ class BudgetTable:
     text = str(text).strip()
     try:
       if ":" not in text:
-        return cls(((1, int(text)),))
-      entries = []
-      for part in text.split(","):
-        size, budget = part.split(":")
-        entries.append((int(size), int(budget)))
+        entries = [(1, int(text))]
+      else:
+        entries = []
+        for part in text.split(","):
+          size, budget = part.split(":")
+          entries.append((int(size), int(budget)))
     except ValueError:
       raise ValueError(f"--budget {text!r}: expected an int or 'size:budget,size:budget,...'") from None
     if any(size <= 0 or budget < 0 for size, budget in entries):
@@ -75,6 +76,10 @@ class BudgetTable:
     if sizes != sorted(set(sizes)):
       raise ValueError(f"--budget {text!r}: batch sizes must increase")
     return cls(tuple(entries))
+
+  def budgets_for_bucket(self, bucket: int, smaller_bucket: int) -> tuple[int, ...]:
+    """The budgets a bucket may run: one per running batch size in (smaller_bucket, bucket]."""
+    return tuple(sorted({self.budget_for(n) for n in range(smaller_bucket + 1, bucket + 1)}))
 
   def budget_for(self, batch_size: int) -> int:
     for size, budget in self.entries:
@@ -166,9 +171,10 @@ class EngineLoop:
   """Runs a ``SpeculativeDecoder`` for many concurrent jobs on one thread.
 
   Args:
-    decoder: compiled for ``batch_buckets(max_batch)`` and every budget of ``budgets``.
+    decoder: compiled for ``batch_buckets(max_batch)`` and, per bucket, the budgets
+      ``budgets.budgets_for_bucket`` names (the budget follows the number of running requests).
     budgets: the budget table.
-    max_queue: jobs that may wait for a row; ``submit`` raises QueueFull beyond it.
+    max_queue: jobs that may wait beyond the free rows; ``submit`` raises QueueFull past it.
     prefill_tokens_per_turn: prompt tokens admitted per loop turn (at least one job is).
   """
 
@@ -183,6 +189,7 @@ class EngineLoop:
     self._inbox: "queue.SimpleQueue[tuple[str, Job | None]]" = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._queued = 0  # jobs submitted and not yet admitted (the bounded queue)
+    self._running = 0  # rows in use, as of the engine's last turn (read by ``submit``)
     self._waiting: collections.deque[Job] = collections.deque()
     self._jobs: dict[engine.Request, Job] = {}
     self._batch = engine.Batch(decoder, decoder.batch_buckets[0])
@@ -212,8 +219,9 @@ class EngineLoop:
 
   def submit(self, job: Job) -> None:
     with self._lock:
-      if self._queued >= self.max_queue:
-        raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting); retry later")
+      free_rows = max(0, self.decoder.max_batch - self._running)
+      if self._queued >= self.max_queue + free_rows:
+        raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting for a row); retry later")
       self._queued += 1
       self.metrics.queue_depth.set(self._queued)
     self._inbox.put(("submit", job))
@@ -230,11 +238,16 @@ class EngineLoop:
       except Exception as err:  # pylint: disable=broad-except
         # Unexpected (not a step failure): fail what is running, keep serving the queue.
         log.exception("engine loop error")
-        self._fail_running(err)
+        try:
+          self._fail_running(err)
+        except Exception:  # pylint: disable=broad-except
+          log.exception("recovering from an engine loop error failed")
     self._fail_all(RuntimeError("the server is shutting down"))
 
   def _turn(self) -> None:
     idle = not (self._batch.num_running or self._waiting or self._pending)
+    if idle:
+      self._batch.mark_idle()  # the next step's wall time starts at its dispatch, not at the last step
     self._read_inbox(block=idle)
     batch = self._batch
     want = min(self.decoder.max_batch, batch.num_running + len(self._waiting))
@@ -246,12 +259,11 @@ class EngineLoop:
 
     dispatched, step_error = None, None
     if batch.num_running:
-      step_jobs = [self._jobs[r] for r in batch.running()]
       try:
         self.steps += 1
         if self.faults is not None:
           self.faults.before_step()
-        dispatched = batch.dispatch(self.budgets.budget_for(batch.bucket))
+        dispatched = batch.dispatch(self.budgets.budget_for(batch.num_running))
       except Exception as err:  # pylint: disable=broad-except
         step_error = err
     if self._pending is not None:
@@ -260,15 +272,16 @@ class EngineLoop:
         stats = batch.collect(handle)
       except Exception as err:  # pylint: disable=broad-except
         log.exception("reading a step failed")
-        self._fail_running(err, extra=[r for r in handle[2] if r is not None])
+        self._fail_running(err)
         return
       self._observe(stats)
       self._publish([r for r in handle[2] if r is not None])
     if step_error is not None:
       log.warning("engine step failed: %s", step_error)
-      self._fail_running(step_error, only=step_jobs)
+      self._fail_running(step_error)
       return
     self._pending = dispatched
+    self._running = batch.num_running
     self.metrics.running.set(batch.num_running)
     self.metrics.free_slots.set(self.decoder.pool.free_slots)
 
@@ -320,6 +333,7 @@ class EngineLoop:
         self._finish(job, error=f"admission failed: {err}")
         if self._caches_lost():
           self._fail_running(err)
+          return
         continue
       admitted_tokens += job.prompt_tokens
       self._jobs[job.request] = job
@@ -349,10 +363,13 @@ class EngineLoop:
       if finished and request.finish_reason == "stop" and tokens and tokens[-1] in self._stop_ids(request):
         visible = tokens[:-1]  # a stop id ends the text; its own text is not part of it
       text = job.text.push(visible, final=finished)
-      if job.text.stopped and not finished:
-        self._batch.cancel(request, reason="stop")
-        finished = True
-      if finished:
+      if job.text.stopped:
+        if not finished:
+          self._batch.cancel(request, reason="stop")
+        # Report the tokens up to the one that completes the stop string: a step that emitted
+        # several tokens past it (speculation) must not change what the client is told.
+        self._finish(job, text=text, reason="stop", num_tokens=self._tokens_through_stop(job.text, visible))
+      elif finished:
         self._finish(job, text=text, reason=request.finish_reason)
       elif text:
         job.sink(Event(text=text, completion_tokens=len(tokens), token_ids=tuple(tokens)))
@@ -361,13 +378,27 @@ class EngineLoop:
   def _stop_ids(request: engine.Request) -> set:
     return set(request.stop_tokens[request.stop_valid].tolist())
 
-  def _finish(self, job: Job, *, text: str = "", reason: str | None = None, error: str | None = None) -> None:
+  @staticmethod
+  def _tokens_through_stop(stream: StreamText, ids) -> int:
+    """The fewest leading tokens of ``ids`` whose text holds the matched stop string."""
+    start, stop = stream.stop_match
+    lo, hi = 1, len(ids)  # decode(ids[:n]) holds the stop string for every n >= the answer
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if stream.codec.decode(ids[:mid])[start:start + len(stop)] == stop:
+        hi = mid
+      else:
+        lo = mid + 1
+    return lo
+
+  def _finish(self, job: Job, *, text: str = "", reason: str | None = None, error: str | None = None,
+              num_tokens: int | None = None) -> None:
     if job.done:
       return
     job.done = True
     self._jobs.pop(job.request, None)
     self.metrics.finished.labels(reason or "error").inc()
-    tokens = job.request.tokens
+    tokens = job.request.tokens[:num_tokens]
     job.sink(Event(text=text, completion_tokens=len(tokens), token_ids=tuple(tokens), finish_reason=reason,
                    error=error))
 
@@ -375,22 +406,22 @@ class EngineLoop:
     leaves = jax.tree.leaves((self.decoder.target_cache, self.decoder.drafter_state, self._batch.decode))
     return any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves)
 
-  def _fail_running(self, err: BaseException, only: list[Job] | None = None, extra=()) -> None:
-    """Fails the running jobs (those of the failed step) and starts a fresh batch."""
+  def _fail_running(self, err: BaseException) -> None:
+    """Fails every admitted job (all belong to the batch being dropped) and starts afresh.
+
+    The caches are rebuilt too (from an executable compiled at warm-up): a failed step may have
+    consumed its donated buffers or left them holding an error. Jobs still waiting are untouched.
+    """
     self.last_error = err
     self.metrics.engine_failures.inc()
     self._pending = None
     message = f"engine step failed: {err}"
-    jobs = [self._jobs[r] for r in list(self._batch.running()) + list(extra) if r in self._jobs]
-    for job in (only or []) + jobs:
+    for job in list(self._jobs.values()):
       self._finish(job, error=message)
     self._batch.close()
-    if self._caches_lost():
-      log.warning("the failed step consumed the caches; re-initialising them")
-      d = self.decoder
-      d.target_cache = cache_lib.init_cache(d.cfg, d.num_slots, d.max_len)
-      d.drafter_state = d.drafter.init_state(d.num_slots, d.max_len)
+    self.decoder.reset_caches()
     self._batch = engine.Batch(self.decoder, self._batch.bucket)
+    self._running = 0
     self.metrics.running.set(0)
     self.metrics.free_slots.set(self.decoder.pool.free_slots)
 

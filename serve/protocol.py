@@ -2,9 +2,12 @@
 
 Every field a client can send is listed. A field this server cannot honour (log probabilities,
 penalties, logit bias, tools, ``n`` > 1) is refused with 400 when set to anything but its neutral
-value, and an unknown field is refused too: a client's intent is never silently dropped.
+value, and an unknown field is refused too: a client's intent is never silently dropped. Types
+are strict (``"max_tokens": "5"`` or ``"stream": "yes"`` are 400s, not coerced); an int is
+accepted where a float is expected.
 """
 
+import math
 from typing import Annotated, Literal
 
 import pydantic
@@ -29,14 +32,14 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
   include_usage: bool = False
 
 
 class _Sampling(BaseModel):
   """Fields shared by completions and chat completions."""
 
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
 
   model: str | None = None
   temperature: float | None = None
@@ -61,12 +64,12 @@ class _Sampling(BaseModel):
 
   def check(self, max_stop_strings: int = 16) -> None:
     """Refuses values this server cannot honour (raises ApiError 400 naming the field)."""
-    if self.temperature is not None and self.temperature < 0:
-      raise ApiError(400, f"temperature must be >= 0, got {self.temperature}", param="temperature")
+    if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ApiError(400, f"temperature must be a finite number >= 0, got {self.temperature}", param="temperature")
     if self.top_p is not None and not 0 < self.top_p <= 1:
       raise ApiError(400, f"top_p must lie in (0, 1], got {self.top_p}", param="top_p")
-    if self.top_k is not None and self.top_k < -1:
-      raise ApiError(400, f"top_k must be -1 or 0 (off) or positive, got {self.top_k}", param="top_k")
+    if self.top_k is not None and not -1 <= self.top_k < 2**31:
+      raise ApiError(400, f"top_k must be -1 or 0 (off) or a positive int32, got {self.top_k}", param="top_k")
     if self.n not in (None, 1):
       raise ApiError(400, f"n={self.n} is not supported: this server returns one choice per request", param="n")
     if self.seed is not None and not 0 <= self.seed < 2**32:
@@ -132,13 +135,13 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
   type: Literal["text"]
   text: str
 
 
 class ChatMessage(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
   role: str
   content: str | list[TextPart] | None = None
   name: str | None = None

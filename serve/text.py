@@ -152,6 +152,7 @@ class StreamText:
     self.text = ""  # decoded text of every token so far (before any stop-string cut)
     self.sent = 0  # characters of ``text`` handed out
     self.stopped = False
+    self.stop_match: tuple[int, str] | None = None  # (index in ``text``, stop string) once found
     self._prefix = 0  # tokens before the decode window; decoding in windows keeps each step O(new)
     self._read = 0
 
@@ -164,18 +165,19 @@ class StreamText:
       before = self.codec.decode(ids[self._prefix:self._read])
       self.text += window[len(before):]
       self._prefix, self._read = self._read, len(ids)
-    cut = self._find_stop()
-    if cut is not None:
-      self.stopped = True
-      return self._take(cut)
+    match = self._find_stop()
+    if match is not None:
+      self.stopped, self.stop_match = True, match
+      return self._take(match[0])
     if final:
       return self._take(len(self.text))
     return self._take(len(self.text) - self._held_back())
 
-  def _find_stop(self) -> int | None:
+  def _find_stop(self) -> tuple[int, str] | None:
+    """The earliest stop string in the text: (index, string), or None."""
     # A stop string may straddle earlier text: search from where the longest could start.
     start = max(0, self.sent - max((len(s) for s in self.stop_strings), default=0))
-    hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+    hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop_strings) if i >= 0]
     return min(hits) if hits else None
 
   def _held_back(self) -> int:

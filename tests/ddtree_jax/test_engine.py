@@ -273,8 +273,9 @@ def test_every_budget_from_1_to_64_compiles_and_is_lossless(model, prompts, refe
 
 # ---- the server's batch operations: cancel and resize --------------------------------------------
 def test_cancel_and_resize_keep_other_requests_lossless(model, prompts, reference):
-  """A request cancelled while a step is in flight frees its slot at once; a new request reusing
-  that slot, and the others moved between buckets, still decode exactly the greedy reference."""
+  """A request cancelled while a step that computes it is in flight frees its slot at once; a new
+  request takes that slot before the old step is read, and it and the others, moved between
+  buckets, still decode exactly the greedy reference."""
   dec = engine.SpeculativeDecoder(model, make_drafter("noisy", prompts, reference[0]), policy="ddtree",
                                   budgets=(8,), batch_buckets=(1, 2, 4), max_len=MAX_LEN, show_progress=False)
   make = lambda i, n=MAX_NEW: dec.request(prompts[i], n, stop_token_ids=[])
@@ -285,24 +286,26 @@ def test_cancel_and_resize_keep_other_requests_lossless(model, prompts, referenc
   pending = batch.dispatch(8)
   pending, previous = batch.dispatch(8), pending
   batch.collect(previous)
-  batch.cancel(first[1])  # a step that still computes it is in flight
+  cancelled_slot = first[1].slot
+  batch.cancel(first[1])  # the step in `pending` still computes it
   assert first[1].finish_reason == "cancelled" and dec.pool.free_slots == dec.num_slots - 2
   assert np.asarray(batch.decode.active).tolist() == [True, False, True, False]  # stopped on the device
-  batch.resize(2)  # two running requests fit the 2-row bucket
-  assert batch.bucket == 2 and batch.rows == [first[0], first[2]]
-  late = make(1, 20)  # takes the cancelled request's slot while the old step is still unread
-  batch.collect(pending)
-  pending = None
-  steps = 0
+  late = make(1, 20)
+  batch.admit(late)  # reuses the slot and the row while the old step is still unread
+  assert late.slot == cancelled_slot and batch.rows[1] is late
+  resized = []
   while batch.num_running or pending is not None:
-    if late.slot is None and not late.finished and batch.free_rows():
-      batch.admit(late)
     dispatched = batch.dispatch(8) if batch.num_running else None
     if pending is not None:
       batch.collect(pending)
-    pending, steps = dispatched, steps + 1
-    if steps == 6 and batch.num_running < 4:
-      batch.resize(4)  # grow back mid-run
+    pending = dispatched
+    if not resized and batch.num_running and batch.num_running <= 2:
+      batch.resize(2)  # shrink while a step is in flight
+      resized.append(2)
+    elif resized == [2] and batch.bucket == 2 and batch.num_running:
+      batch.resize(4)  # and grow back
+      resized.append(4)
+  assert resized == [2, 4]
   assert all(r.finished for r in first + [late])
   cancelled = first[1].tokens
   assert cancelled == reference[0][1][:len(cancelled)] and len(cancelled) < MAX_NEW

@@ -139,6 +139,29 @@ def test_openai_client_completions_chat_and_streaming_agree(server, client):
   assert chat.choices[0].finish_reason == stream[-1].choices[0].finish_reason
 
 
+def test_stop_string_gives_the_same_tokens_and_usage_with_and_without_speculation(server, plain_server):
+  """A ddtree step may emit tokens past a stop string; the reply must not show them."""
+  prompt = "import os\nimport sys\n"
+  base = httpx.post(plain_server[0] + "/v1/completions", json={"prompt": prompt, "max_tokens": 60,
+                                                               "temperature": 0, "return_token_ids": True}).json()
+  text = base["choices"][0]["text"]
+  stops = [text[i:i + 3] for i in (7, 23, 41) if len(text) >= i + 3 and text[i:i + 3].strip()]
+  assert stops, text
+  for stop in stops:
+    replies = []
+    for url in (plain_server[0], server.url):
+      body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "stop": [stop], "return_token_ids": True}
+      replies.append(httpx.post(url + "/v1/completions", json=body).json())
+    (plain, spec) = replies
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"] == text[:text.find(stop)]
+    assert spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert spec["usage"] == plain["usage"] and spec["choices"][0]["finish_reason"] == "stop"
+    # The stop string completed by the very last allowed token still reports "stop".
+    body.update(max_tokens=spec["usage"]["completion_tokens"])
+    last = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["text"] == spec["choices"][0]["text"]
+
+
 def test_stop_strings_and_echo(client):
   prompt = "import os\nimport sys\n"
   base = client.completions.create(model="kimi-demo", prompt=prompt, max_tokens=48, temperature=0).choices[0].text
@@ -277,6 +300,9 @@ def test_bad_requests_get_openai_errors(server):
     assert r.status_code == status, (raw, r.text)
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
+  for raw in (b'{"prompt": "x", "temperature": NaN}', b"[" * 100_000):
+    r = httpx.post(url, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON"), r.text
   long = httpx.post(url, json={"prompt": "x" * 10, "max_tokens": MAX_CONTEXT})
   assert "maximum context length is 192" in long.json()["error"]["message"]
   assert "max_tokens is 192" in long.json()["error"]["message"]
@@ -297,13 +323,38 @@ def test_api_key_body_limit_and_full_queue(server):
     assert httpx.get(other.url + "/health").status_code == 200  # health and metrics need no key
     big = httpx.post(other.url + "/v1/completions", json={"prompt": "x" * 4000}, headers=auth)
     assert big.status_code == 413 and "2048" in big.json()["error"]["message"]
+  # A full queue. The engine is held inside a step (a test hook in place of the fault injector), so
+  # submitted requests stay queued: with max_queue 0, as many as there are free rows are taken, the
+  # next one gets 429, and all the taken ones complete once the engine goes on.
   loop = server.engine.loop
-  saved, loop.max_queue = loop.max_queue, 0
-  try:
-    r = httpx.post(server.url + "/v1/completions", json=body)
-    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-  finally:
-    loop.max_queue = saved
+  wait_idle(server)
+
+  class Stall:
+    def __init__(self):
+      self.entered, self.release = threading.Event(), threading.Event()
+
+    def before_step(self):
+      self.entered.set()
+      self.release.wait(60)
+
+  stall, saved = Stall(), loop.max_queue
+  loop.faults, loop.max_queue = stall, 0
+  with cf.ThreadPoolExecutor(loop.decoder.max_batch + 1) as pool:
+    try:
+      futures = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=120)]
+      assert stall.entered.wait(30)
+      futures += [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=120)
+                  for _ in range(loop.decoder.max_batch)]
+      deadline = time.monotonic() + 30
+      while loop.snapshot()["queued"] < loop.decoder.max_batch and time.monotonic() < deadline:
+        time.sleep(0.02)
+      r = httpx.post(server.url + "/v1/completions", json=body)
+      assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+    finally:
+      loop.faults, loop.max_queue = None, saved
+      stall.release.set()
+    assert [f.result().status_code for f in futures] == [200] * (loop.decoder.max_batch + 1)
+  assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
   assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
 
 

@@ -107,7 +107,9 @@ def test_budget_table_and_buckets():
   assert [table.budget_for(n) for n in (1, 2, 4, 5, 16, 64)] == [32, 16, 16, 8, 8, 8]
   assert table.budgets == (8, 16, 32)
   assert BudgetTable.parse("12").budget_for(100) == 12
-  for bad in ("", "x", "4:8,2:16", "0:8", "1:-1", "1:8:3"):
+  assert table.budgets_for_bucket(4, 2) == (16,) and table.budgets_for_bucket(8, 4) == (8,)
+  assert BudgetTable.parse("3:32,16:8").budgets_for_bucket(4, 2) == (8, 32)  # 3 running: 32; 4: 8
+  for bad in ("", "x", "-5", "4:8,2:16", "0:8", "1:-1", "1:8:3"):
     with pytest.raises(ValueError, match="--budget"):
       BudgetTable.parse(bad)
   assert batch_buckets(1) == (1,) and batch_buckets(12) == (1, 2, 4, 8, 12) and batch_buckets(16)[-1] == 16
@@ -152,6 +154,11 @@ def test_fault_injector_spec():
     ({"prompt": "x", "mystery": 1}, 400, "mystery"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),  # strict types: no coercion
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": [1.0, 2.0]}, 400, "prompt"),
+    ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    ({"prompt": "x", "top_k": 3_000_000_000}, 400, "top_k"),
 ])
 def test_completion_bodies_refused_with_the_field_named(body, status, param):
   with pytest.raises(protocol.ApiError) as info:
