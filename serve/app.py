@@ -94,10 +94,7 @@ def create_app(state: ServerState) -> FastAPI:
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    eng = state.require_engine()
-    body = protocol_parse(protocol.CompletionRequest, await _read_json(request, state.max_body_bytes))
-    body.check()
-    _check_model(eng, body.model)
+    eng, body = await _accept(state, request, protocol.CompletionRequest)
     try:
       prompt_ids = eng.codec.completion_prompt(body.single_prompt)
     except TextError as err:
@@ -110,10 +107,7 @@ def create_app(state: ServerState) -> FastAPI:
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
-    eng = state.require_engine()
-    body = protocol_parse(protocol.ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
-    body.check()
-    _check_model(eng, body.model)
+    eng, body = await _accept(state, request, protocol.ChatCompletionRequest)
     try:
       prompt_ids = eng.codec.chat_prompt([Message(m.role, m.text) for m in body.messages])
     except TextError as err:
@@ -205,6 +199,15 @@ async def _read_json(request: Request, limit: int) -> Any:
   if not isinstance(obj, dict):
     raise ApiError(400, "the request body must be a JSON object")
   return obj
+
+
+async def _accept(state: ServerState, request: Request, body_type):
+  """The engine and the request's checked body (raises ApiError: 503, 400, 413 or 404)."""
+  eng = state.require_engine()
+  body = protocol_parse(body_type, await _read_json(request, state.max_body_bytes))
+  body.check()
+  _check_model(eng, body.model)
+  return eng, body
 
 
 def _check_model(eng: Engine, model: str | None) -> None:

@@ -26,10 +26,8 @@ import uuid
 from typing import Callable, Sequence
 
 import jax
-import numpy as np
 
 from ddtree_jax import engine
-from models import cache as cache_lib
 from serve.metrics import Metrics
 from serve.text import StreamText
 
@@ -406,11 +404,23 @@ class EngineLoop:
     leaves = jax.tree.leaves((self.decoder.target_cache, self.decoder.drafter_state, self._batch.decode))
     return any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves)
 
+  def _caches_usable(self) -> bool:
+    """False if a failed step deleted the caches (donation) or left them holding an error."""
+    leaves = jax.tree.leaves((self.decoder.target_cache, self.decoder.drafter_state))
+    try:
+      if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+        return False
+      jax.block_until_ready(leaves)  # raises if an asynchronous failure poisoned them
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
   def _fail_running(self, err: BaseException) -> None:
     """Fails every admitted job (all belong to the batch being dropped) and starts afresh.
 
-    The caches are rebuilt too (from an executable compiled at warm-up): a failed step may have
-    consumed its donated buffers or left them holding an error. Jobs still waiting are untouched.
+    The caches are rebuilt (from an executable compiled at warm-up) when the failed step consumed
+    its donated buffers or left them holding an error; intact caches are kept, since rebuilding
+    churns memory. Jobs still waiting are untouched.
     """
     self.last_error = err
     self.metrics.engine_failures.inc()
@@ -419,7 +429,9 @@ class EngineLoop:
     for job in list(self._jobs.values()):
       self._finish(job, error=message)
     self._batch.close()
-    self.decoder.reset_caches()
+    if not self._caches_usable():
+      log.warning("the failed step consumed or poisoned the caches; rebuilding them")
+      self.decoder.reset_caches()
     self._batch = engine.Batch(self.decoder, self._batch.bucket)
     self._running = 0
     self.metrics.running.set(0)

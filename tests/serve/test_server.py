@@ -17,7 +17,7 @@ import threading
 import time
 
 import httpx
-import numpy as np
+import jax
 import openai
 import psutil
 import pytest
@@ -374,8 +374,24 @@ def test_engine_fault_fails_only_its_step_and_the_server_goes_on(server):
   assert any(json.loads(d).get("choices") for d in data[:-2])  # text arrived before the failure
   loop.faults = None
   assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
-  ok = httpx.post(server.url + "/v1/completions", json={"prompt": "def g():", "max_tokens": 5, "temperature": 0})
-  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+  short = {"prompt": "def g():", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+  ok = httpx.post(server.url + "/v1/completions", json=short)
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
+
+  # A failure that consumed the caches (as a step that donated them and then failed would): the
+  # loop rebuilds them, and the next request decodes exactly as before.
+  class ConsumeCaches:
+    def before_step(self):
+      loop.faults = None
+      for leaf in jax.tree.leaves((loop.decoder.target_cache, loop.decoder.drafter_state)):
+        leaf.delete()
+      raise RuntimeError("simulated failure after donation")
+
+  loop.faults = ConsumeCaches()
+  failed = httpx.post(server.url + "/v1/completions", json=short)
+  assert failed.status_code == 500 and "simulated failure" in failed.json()["error"]["message"]
+  again = httpx.post(server.url + "/v1/completions", json=short)
+  assert again.status_code == 200 and again.json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
 
 
 # ---- soak ----------------------------------------------------------------------------------------------
@@ -455,6 +471,7 @@ def test_soak_random_requests_disconnects_bad_input_and_faults(server):
   # Every request the engine took left it exactly once (none lost, none counted twice).
   assert finished_after - finished_before == len(accepted_by_engine), (counts, finished_after - finished_before)
   growth = process.memory_info().rss - rss_before
+  print(f"soak: resident memory grew by {growth / 2**20:.0f} MiB")
   assert growth < 256 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MiB over the soak"
 
 
