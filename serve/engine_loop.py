@@ -329,7 +329,7 @@ class EngineLoop:
         log.warning("admission failed: %s", err)
         self.metrics.engine_failures.inc()
         self._finish(job, error=f"admission failed: {err}")
-        if self._caches_lost():
+        if not self._caches_usable(with_decode=True):
           self._fail_running(err)
           return
         continue
@@ -400,13 +400,11 @@ class EngineLoop:
     job.sink(Event(text=text, completion_tokens=len(tokens), token_ids=tuple(tokens), finish_reason=reason,
                    error=error))
 
-  def _caches_lost(self) -> bool:
-    leaves = jax.tree.leaves((self.decoder.target_cache, self.decoder.drafter_state, self._batch.decode))
-    return any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves)
-
-  def _caches_usable(self) -> bool:
-    """False if a failed step deleted the caches (donation) or left them holding an error."""
-    leaves = jax.tree.leaves((self.decoder.target_cache, self.decoder.drafter_state))
+  def _caches_usable(self, with_decode: bool = False) -> bool:
+    """False if a failure deleted the caches (donation) or left them holding an error; with
+    ``with_decode``, the batch's decode state too."""
+    state = (self.decoder.target_cache, self.decoder.drafter_state) + ((self._batch.decode,) if with_decode else ())
+    leaves = jax.tree.leaves(state)
     try:
       if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
         return False
