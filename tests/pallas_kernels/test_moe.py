@@ -123,6 +123,21 @@ def test_all_tokens_on_one_expert(fmt):
   check_case(fmt, 40, seed=7, interpret=INTERPRET, top_k=1, allowed=(4,), num_padded=3)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_split_k_one_expert(fmt):
+  """One row on one expert among 8 (T = 1 of a 48-expert share: the other 7 rows are other
+  GPUs' padding): both kernels split K (H = I = 512: at least four k-steps each, in either
+  format), and the pieces sum to the reference."""
+  rng = np.random.default_rng(21)
+  order, sizes = routing(rng, 1, 1, E, allowed=(3,), num_padded=7)
+  x = sorted_rows(rng, order, sizes, 512)
+  experts = as_format(random_weights(21, hidden=512, inter=512), fmt)
+  y, loads = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, interpret=INTERPRET)
+  assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
+  for piece_item in (loads.gate_up_item, loads.down_item):
+    assert (np.asarray(piece_item) == 0).sum() >= 2  # the one item runs as several pieces
+
+
 def expected_items(sizes, block_rows):
   """(expert, first row, rows) per work item, by a plain loop over the experts."""
   items, start = [], 0
@@ -153,37 +168,61 @@ def test_work_list_against_a_loop():
     assert len(expected_items(sizes, 16)) <= moe.max_work_items(7, num_rows, 16)
 
 
+def steps_per_item(steps, piece_item, num_items):
+  """[tiles, P] per-program steps -> [tiles, num_items] summed over each item's pieces."""
+  steps, piece_item = np.asarray(steps), np.asarray(piece_item)
+  out = np.zeros((steps.shape[0], num_items), np.int64)
+  for piece, item in enumerate(piece_item):
+    if item >= 0:
+      out[:, item] += steps[:, piece]
+    else:
+      assert (steps[:, piece] == 0).all(), "an unused piece loaded weights"
+  return out
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_only_touched_experts_are_read(fmt):
-  """Fails for a kernel that visits every expert: exact per-program tile-load counts, and the
-  untouched experts' weights are NaN yet the output is finite and right."""
+@pytest.mark.parametrize("split_k", [False, True])
+def test_only_touched_experts_are_read(fmt, split_k):
+  """Fails for a kernel that visits every expert: exact per-item tile-load counts, and the
+  untouched experts' weights are NaN yet the output is finite and right. With split_k the
+  two items' work is spread over all programs, and each weight tile is still loaded once."""
   rng = np.random.default_rng(11)
   touched = (1, 4)
+  hidden = 512  # four bf16 gate/up k-steps of 64 (two pieces each), two INT4 steps of 128
   order, sizes = routing(rng, 12, 1, E, touched, num_padded=2)
-  x = sorted_rows(rng, order, sizes, H)
-  clean = as_format(random_weights(11), fmt)
+  x = sorted_rows(rng, order, sizes, hidden)
+  clean = as_format(random_weights(11, hidden=hidden), fmt)
   keep = jnp.asarray(np.isin(np.arange(E), touched))[:, None, None]
   if fmt == "bf16":
     poisoned = moe.Bf16Experts(*(jnp.where(keep, w, jnp.nan).astype(jnp.bfloat16) for w in clean))
   else:
     poisoned = moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
                                  for m in (clean.gate, clean.up, clean.down)))
-  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned,
-                                                                 interpret=INTERPRET)
+  y, loads = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned, split_k=split_k,
+                                             interpret=INTERPRET)
   assert_close(y, reference(x, sizes, clean), int(sizes.sum()))
   block_rows = moe.default_block_rows(E, len(order))
   items = expected_items(sizes, block_rows)
   assert len(items) == len(touched)  # 12 rows over two experts: one item each
-  gate_up_k = -(-H // (moe._INT4_SMEM if fmt == "int4" else moe._BF16_GATE_UP).block_k)
-  down_k = -(-I // (moe._INT4_SMEM if fmt == "int4" else moe._BF16_DOWN).block_k)
-  for steps, n_out, k_steps in ((gate_up_steps, I, gate_up_k), (down_steps, H, down_k)):
-    steps = np.asarray(steps)
+  num_items = moe.max_work_items(E, len(order), block_rows)
+  tiles = moe.INT4_SMEM_TILES if fmt == "int4" else moe.BF16_TILES  # interpret mode: INT4 via smem
+  gate_up_k, down_k = -(-hidden // tiles.gate_up.block_k), -(-I // tiles.down.block_k)
+  for steps, piece_item, n_out, k_steps in ((loads.gate_up, loads.gate_up_item, I, gate_up_k),
+                                            (loads.down, loads.down_item, hidden, down_k)):
     n_tiles = -(-n_out // moe.TILE_N)
-    assert steps.shape == (n_tiles, moe.max_work_items(E, len(order), block_rows))
-    assert (steps[:, :len(items)] == k_steps).all() and (steps[:, len(items):] == 0).all()
-    # Programs that loaded weights = touched items x output tiles (visiting all E would be 6x).
-    assert (steps > 0).sum() == len(touched) * n_tiles
-    assert steps.sum() == len(touched) * n_tiles * k_steps
+    assert np.asarray(steps).shape == (n_tiles, num_items)
+    per_item = steps_per_item(steps, piece_item, num_items)
+    assert (per_item[:, :len(items)] == k_steps).all() and (per_item[:, len(items):] == 0).all()
+    # Weight tiles loaded = touched items x output tiles x k-steps (visiting all E would be 3x).
+    assert np.asarray(steps).sum() == len(touched) * n_tiles * k_steps
+    pieces = int((np.asarray(piece_item) >= 0).sum())
+    if split_k and k_steps >= 2 * moe.MIN_PIECE_STEPS:
+      # Two live items over six programs: three pieces each, of at least MIN_PIECE_STEPS steps.
+      want = len(items) * min(num_items // len(items), k_steps // moe.MIN_PIECE_STEPS)
+      assert pieces == want > len(items)
+    else:
+      assert pieces == len(items)
+    assert (np.asarray(steps) > 0).sum() == pieces * n_tiles
 
 
 def numpy_unpack_compressed(packed, scale):
@@ -312,16 +351,22 @@ def test_gpu_kimi_dims(gpu, fmt, dequant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_gpu_tile_loads_follow_touched_experts(gpu, fmt):
+@pytest.mark.parametrize("split_k", [False, True])
+def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, split_k):
   rng = np.random.default_rng(4)
   order, sizes = routing(rng, 9, 8, 384, num_padded=1)
-  x = sorted_rows(rng, order, sizes, 256)
-  experts = as_format(random_weights(4, num_experts=384, hidden=256, inter=128), fmt)
-  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts)
+  x = sorted_rows(rng, order, sizes, 1024)
+  experts = as_format(random_weights(4, num_experts=384, hidden=1024, inter=128), fmt)
+  y, loads = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, split_k=split_k)
   assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
-  items = len(expected_items(sizes, moe.default_block_rows(384, len(order))))
-  assert (np.asarray(gate_up_steps) > 0).sum() == items * 2  # I = 128: two output tiles
-  assert (np.asarray(down_steps) > 0).sum() == items * 4  # H = 256: four output tiles
+  block_rows = moe.default_block_rows(384, len(order))
+  items = len(expected_items(sizes, block_rows))
+  num_items = moe.max_work_items(384, len(order), block_rows)
+  gate_up = steps_per_item(loads.gate_up, loads.gate_up_item, num_items)
+  down = steps_per_item(loads.down, loads.down_item, num_items)
+  # I = 128: two gate/up output tiles; H = 1024: sixteen down output tiles.
+  assert ((gate_up > 0).sum(), (down > 0).sum()) == (items * 2, items * 16)
+  assert (gate_up[:, items:] == 0).all() and (down[:, items:] == 0).all()
 
 
 def teacher_forced_logits(model, sequences, chunk_size):
