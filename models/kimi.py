@@ -211,12 +211,25 @@ def routed_experts(x_sorted, group_sizes, w_gate, w_up, w_down):
   return jax.lax.ragged_dot(hidden, w_down.astype(x_sorted.dtype), group_sizes)
 
 
+def _gpu_interpret_forced() -> bool:
+  """Whether ``plgpu.force_gpu_interpret_mode`` is active (it has no public getter)."""
+  from jax._src import config as jax_config
+
+  flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+  return flag is not None and flag.value is not None
+
+
 def routed_experts_pallas(x_sorted, group_sizes, w_gate, w_up, w_down):
   """``routed_experts`` through the Mosaic GPU grouped-matmul kernel (``pallas_kernels/moe.py``).
 
-  Same contract; reads only the touched experts' weights. GPU only, bf16 activations (the kernel
-  raises a clear error otherwise).
+  Same contract; reads only the touched experts' weights. GPU only (or under
+  ``plgpu.force_gpu_interpret_mode``, for tests), bf16 activations (the kernel raises a clear
+  error otherwise).
   """
+  if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
+    raise RuntimeError(
+        f"moe_impl='pallas' runs the Mosaic GPU kernel and needs a GPU backend, not "
+        f"{jax.default_backend()!r}; use moe_impl='xla' here")
   from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
 
   experts = moe.Bf16Experts(*(w.astype(x_sorted.dtype) for w in (w_gate, w_up, w_down)))

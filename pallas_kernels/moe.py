@@ -53,11 +53,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 GROUP_SIZE = 32  # INT4 quantisation group along the input features (K2.6's compressed-tensors)
 TILE_N = 64  # output features per program: one warpgroup MMA of M = 64
 MIN_BLOCK_ROWS = 16  # the down projection's B tile is [K, rows] bf16: 32-byte swizzle at least
-# Split K (``split_items``) when a kernel's grid would have fewer programs than this even with
-# every work item live: about four per SM of the H200's 132, enough to keep its memory busy.
-SPLIT_BELOW_PROGRAMS = 4 * 132
-MAX_SPLIT = 8  # pieces per work item at most
-MIN_PIECE_STEPS = 2  # k-steps per piece at least: a piece pays a pipeline fill
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,57 +232,6 @@ def gather_work_rows(x_sorted, work: WorkList, block_rows: int):
       w_max * block_rows, x_sorted.shape[1])
 
 
-class Pieces(NamedTuple):
-  """What each program along the kernel's second grid axis computes: one work item's rows over
-  a range of k-steps (the whole range unless the kernel splits K)."""
-
-  item: jax.Array  # int32[P]: work item, -1: nothing (the program exits, or writes zeros if split)
-  k_start: jax.Array  # int32[P]: first k-step
-  k_steps: jax.Array  # int32[P]: k-steps to run (0 for an unused piece)
-
-
-def whole_items(work_expert, k_steps: int) -> Pieces:
-  """One piece per work item, covering all k-steps."""
-  live = work_expert >= 0
-  items = jnp.arange(work_expert.shape[0], dtype=jnp.int32)
-  return Pieces(item=jnp.where(live, items, -1), k_start=jnp.zeros_like(items),
-                k_steps=jnp.where(live, k_steps, 0).astype(jnp.int32))
-
-
-def split_items(work_expert, k_steps: int, max_split: int) -> Pieces:
-  """Spreads the live work items over all P = len(work_expert) programs by splitting K.
-
-  With L live items (known only on the device) each gets S = min(P // L, max_split) pieces of
-  ceil(k_steps / S) steps, so a step touching one expert still runs P programs per output tile
-  instead of one. Items are live first (``work_list`` order), so L items cover pieces
-  [0, L * S); item i's pieces are i * S .. i * S + S - 1.
-  """
-  num_pieces = work_expert.shape[0]
-  live_items = jnp.sum(work_expert >= 0, dtype=jnp.int32)
-  split = jnp.clip(num_pieces // jnp.maximum(live_items, 1), 1, max_split)
-  per_piece = -(-k_steps // split)
-  split = -(-k_steps // per_piece)  # no empty pieces: e.g. 16 steps in 7 pieces is 6 of 3 (last 1)
-  piece = jnp.arange(num_pieces, dtype=jnp.int32)
-  item, part = piece // split, piece % split
-  k_start = part * per_piece
-  live = item < live_items
-  return Pieces(item=jnp.where(live, item, -1), k_start=jnp.where(live, k_start, 0),
-                k_steps=jnp.where(live, jnp.minimum(per_piece, k_steps - k_start), 0))
-
-
-def sum_pieces(partial, pieces: Pieces):
-  """float32 [N, P * R] partials -> float32 [P * R, N]: item i's rows summed over its pieces.
-
-  A 0/1 matrix product in float32 (HIGHEST: no TF32), whose order is fixed by the shapes: the
-  same routing gives the same bits. Unused pieces hold zeros (the kernel writes them).
-  """
-  num_pieces = pieces.item.shape[0]
-  n_out = partial.shape[0]
-  onehot = (pieces.item[None, :] == jnp.arange(num_pieces, dtype=jnp.int32)[:, None]).astype(jnp.float32)
-  parts = partial.reshape(n_out, num_pieces, -1)
-  return jnp.einsum("ip,npr->irn", onehot, parts, precision=lax.Precision.HIGHEST).reshape(-1, n_out)
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
@@ -304,16 +248,18 @@ class TileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelTiles:
-  """Tiling of the two kernels of one call (static; a jit argument for tuning sweeps)."""
+  """Tiling of the two kernels of one call (static: a jit argument, for tuning sweeps)."""
 
   gate_up: TileConfig
   down: TileConfig
 
 
-# Depths that keep >= 64 KiB of weight tiles in flight per SM and let two programs share an SM.
+# From benchmarks/tune_moe.py on the H200 (benchmarks/results/tune_moe.md). bf16: depths that
+# keep >= 64 KiB of weight tiles in flight per SM with two programs per SM. INT4: 256-feature
+# steps, two deep (four programs per SM), beat four-deep and 128- or 64-feature steps at every T.
 BF16_TILES = KernelTiles(gate_up=TileConfig(block_k=64, stages=4), down=TileConfig(block_k=128, stages=4))
-INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=4), down=TileConfig(block_k=256, stages=4))
-# The shared-memory dequantisation buffers take room.
+INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=2), down=TileConfig(block_k=256, stages=2))
+# Interpret mode's form: the shared-memory dequantisation buffers take room.
 INT4_SMEM_TILES = KernelTiles(gate_up=TileConfig(block_k=128, stages=4), down=TileConfig(block_k=128, stages=4))
 
 
@@ -324,26 +270,23 @@ def default_tiles(experts, int4_dequant: str) -> KernelTiles:
 
 
 def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
-                stages: int, out_bytes: int) -> int:
-  """Shared memory of one program; ``out_bytes`` per output element of the [R, 64] result tile."""
+                stages: int) -> int:
   bk = cfg.block_k
   if is_int4:
     weights = num_w * (TILE_N * bk // 2 + bk // GROUP_SIZE * TILE_N * 2)
   else:
     weights = num_w * bk * TILE_N * 2
   per_stage = weights + block_rows * bk * 2
-  fixed = block_rows * TILE_N * out_bytes + (num_w * 2 * TILE_N * bk * 2 if smem_dequant else 0)
+  fixed = block_rows * TILE_N * 2 + (num_w * 2 * TILE_N * bk * 2 if smem_dequant else 0)
   return stages * per_stage + fixed
 
 
-def _fit_stages(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
-                out_bytes: int) -> int:
+def _fit_stages(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int) -> int:
   """The configured depth, shallower if the tiles would not fit in shared memory."""
-  args = (cfg, num_w, is_int4, smem_dequant, block_rows)
   stages = cfg.stages
-  while stages > 2 and _smem_bytes(*args, stages, out_bytes) > SMEM_BUDGET:
+  while stages > 2 and _smem_bytes(cfg, num_w, is_int4, smem_dequant, block_rows, stages) > SMEM_BUDGET:
     stages -= 1
-  used = _smem_bytes(*args, stages, out_bytes)
+  used = _smem_bytes(cfg, num_w, is_int4, smem_dequant, block_rows, stages)
   if used > SMEM_BUDGET:
     raise ValueError(f"block_rows={block_rows} needs {used} bytes of shared memory (> {SMEM_BUDGET}); "
                      "use fewer rows per work item")
@@ -380,25 +323,20 @@ def _int4_scaled_groups(q_smem, s_smem, block_k: int):
       yield g, q[:, half * GROUP_SIZE:(half + 1) * GROUP_SIZE] * scale
 
 
-def _grouped_kernel(x_work, work_expert, pieces: Pieces, weights, *, fuse_silu: bool, split: bool,
-                    cfg: TileConfig, block_rows: int, int4_dequant: str, count_tile_loads: bool,
-                    interpret):
+def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileConfig,
+                    block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret):
   """One grouped projection (or the fused gate/up pair) over the work layout.
 
   Args:
-    x_work: bf16 [W * R, K]; work_expert: int32[W] (-1: unused item).
-    pieces: what each of the P = W programs along the second grid axis computes (``Pieces``).
+    x_work: bf16 [W * R, K]; work_expert: int32[W] (-1: skip the item).
     weights: tuple of bf16 [E, K, N] (one or two of them), or of ``Int4Matrix`` [E, N, K].
-    fuse_silu: with two weights (and not ``split``), write silu(x @ w0) * (x @ w1).
-    split: pieces may cover part of K (``split_items``): each weight's float32 partial sums
-      are written per piece, unused pieces as zeros, for ``sum_pieces``.
+    fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
   Returns:
-    not split: bf16 [W * R, N]; split: one float32 [P * R, N] per weight. Plus, when
-    ``count_tile_loads``, int32 [ceil(N / 64), P]: pipeline steps (each loading one tile of every
-    weight) per program, 0 where the program loaded nothing.
+    bf16 [W * R, N]; plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps
+    (each loading one tile of every weight) per program, 0 where the program skipped.
   """
   r, bk = block_rows, cfg.block_k
-  num_pieces = pieces.item.shape[0]
+  w_items = work_expert.shape[0]
   num_w = len(weights)
   is_int4 = isinstance(weights[0], Int4Matrix)
   if is_int4:
@@ -408,7 +346,7 @@ def _grouped_kernel(x_work, work_expert, pieces: Pieces, weights, *, fuse_silu: 
     _, k_in, n_out = weights[0].shape
     flat_weights = list(weights)
   smem_dequant = is_int4 and int4_dequant == "smem"
-  stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r, out_bytes=(num_w * 4 if split else 2))
+  stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r)
   n_tiles, k_steps = pl.cdiv(n_out, TILE_N), pl.cdiv(k_in, bk)
   if is_int4:
     # INT4 multiplies one 32-feature group at a time: the x tile's swizzle atom is one group.
@@ -420,52 +358,23 @@ def _grouped_kernel(x_work, work_expert, pieces: Pieces, weights, *, fuse_silu: 
   else:
     x_atom = _swizzle_elems(k_in, n_out, TILE_N)
   out_atom = _swizzle_elems(n_out, TILE_N)
-  num_outs = num_w if split else 1
 
-  def body(expert_ref, item_ref, k_start_ref, k_steps_ref, x_ref, *refs):
+  def body(expert_ref, x_ref, *refs):
     w_refs = refs[:len(flat_weights)]
-    out_refs = refs[len(flat_weights):len(flat_weights) + num_outs]
-    count_ref = refs[len(flat_weights) + num_outs] if count_tile_loads else None
-    out_smems = refs[len(flat_weights) + num_outs + count_tile_loads:][:num_outs]
-    deq_smem = refs[len(flat_weights) + num_outs + count_tile_loads + num_outs:]
+    out_ref = refs[len(flat_weights)]
+    count_ref = refs[len(flat_weights) + 1] if count_tile_loads else None
+    out_smem, *deq_smem = refs[len(flat_weights) + 1 + count_tile_loads:]
     n = lax.axis_index("n")
-    p = lax.axis_index("w")
-    item = item_ref[p]
-    live = item >= 0
-    if split:
-      k_start, steps = k_start_ref[p], k_steps_ref[p]
-    else:
-      k_start, steps = 0, k_steps
-
-    def store(results):
-      for out_smem, res in zip(out_smems, results):
-        if split:  # float32 partials stay [TILE_N, R]: the output is [N, P * R]
-          out_smem[...] = res
-        else:
-          out_smem.T[...] = res.astype(out_smem.dtype)  # [TILE_N, R] into [R, TILE_N]
-      plgpu.commit_smem()
-      for out_smem, out_ref in zip(out_smems, out_refs):
-        if split:
-          dst = out_ref.at[pl.ds(n * TILE_N, TILE_N), pl.ds(p * r, r)]
-        else:
-          dst = out_ref.at[pl.ds(p * r, r), pl.ds(n * TILE_N, TILE_N)]
-        plgpu.copy_smem_to_gmem(out_smem, dst)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    w = lax.axis_index("w")
+    expert = expert_ref[w]
 
     if count_tile_loads:
-      @pl.when(~live)
+      @pl.when(expert < 0)
       def _():
-        count_ref[n, p] = jnp.int32(0)
+        count_ref[n, w] = jnp.int32(0)
 
-    if split:  # the piece sum reads every piece: unused ones must be zeros, not stale memory
-      @pl.when(~live)
-      def _():
-        store([jnp.zeros((TILE_N, r), jnp.float32)] * num_outs)
-
-    @pl.when(live)
+    @pl.when(expert >= 0)
     def _():
-      expert = expert_ref[item]
-
       def acc_scope(*accs):
         def step(idx, *args):
           smem, count = args[:-1], args[-1]
@@ -498,50 +407,44 @@ def _grouped_kernel(x_work, work_expert, pieces: Pieces, weights, *, fuse_silu: 
         if is_int4:
           in_specs = []
           for _ in range(num_w):
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk), lambda k: (n, k_start + k), transforms=q_transforms))
-            in_specs.append(plgpu.BlockSpec((bk // GROUP_SIZE, TILE_N), lambda k: (k_start + k, n)))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk), lambda k: (n, k), transforms=q_transforms))
+            in_specs.append(plgpu.BlockSpec((bk // GROUP_SIZE, TILE_N), lambda k: (k, n)))
         else:
-          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k_start + k, n),
-                                      transforms=_bf16_transforms(x_atom), delay_release=1)
+          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
+                                      delay_release=1)
                       for _ in range(num_w)]
         # The x tile is read by MMAs still in flight when the next step starts, unless INT4's
         # register path waits for each.
         x_async = not is_int4 or smem_dequant
-        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (item, k_start + k),
-                                        transforms=_bf16_transforms(x_atom),
+        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (w, k), transforms=_bf16_transforms(x_atom),
                                         delay_release=1 if x_async else 0))
-        loaded = plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
-                                     max_concurrent_steps=stages, init_carry=jnp.int32(0))(
-                                         *[ref.at[expert] for ref in w_refs], x_ref)
+        steps = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
+                                    max_concurrent_steps=stages, init_carry=jnp.int32(0))(
+                                        *[ref.at[expert] for ref in w_refs], x_ref)
         if count_tile_loads:
-          count_ref[n, p] = loaded
+          count_ref[n, w] = steps
         return tuple(acc[...] for acc in accs)
 
       accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
-      store(accs if split else [_silu_mul(*accs) if fuse_silu else accs[0]])
+      result = _silu_mul(*accs) if fuse_silu else accs[0]
+      out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  if split:
-    out_types = [jax.ShapeDtypeStruct((n_out, num_pieces * r), jnp.float32)] * num_w
-    f32_atom = min(r, 32)  # elements per swizzle row: 64 or 128 bytes
-    scratch = [plgpu.SMEM((TILE_N, r), jnp.float32, transforms=(plgpu.TilingTransform((8, f32_atom)),
-                                                                 plgpu.SwizzleTransform(f32_atom * 4)))
-               for _ in range(num_w)]
-  else:
-    out_types = [jax.ShapeDtypeStruct((num_pieces * r, n_out), jnp.bfloat16)]
-    scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
+  out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
   if count_tile_loads:
-    out_types.append(jax.ShapeDtypeStruct((n_tiles, num_pieces), jnp.int32))
+    out_types.append(jax.ShapeDtypeStruct((n_tiles, w_items), jnp.int32))
+  scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
   if smem_dequant:
     scratch += [plgpu.SMEM((2, TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
   kernel = plgpu.kernel(
-      body, out_type=tuple(out_types), grid=(n_tiles, num_pieces), grid_names=("n", "w"),
+      body, out_type=tuple(out_types), grid=(n_tiles, w_items), grid_names=("n", "w"),
       scratch_types=scratch, interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  outs = kernel(work_expert, pieces.item, pieces.k_start, pieces.k_steps, x_work, *flat_weights)
-  if count_tile_loads:
-    return outs[:-1], outs[-1]
-  return outs
+  outs = kernel(work_expert, x_work, *flat_weights)
+  return outs if count_tile_loads else outs[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,34 +500,22 @@ def _resolve_options(a: int, e: int, block_rows, int4_dequant, interpret):
   return r, dequant
 
 
-class TileLoads(NamedTuple):
-  """Per-program pipeline steps of the two kernels (each step loads one [64, block_k] tile of
-  every weight of its kernel) and which work item each program's piece belongs to."""
-
-  gate_up: jax.Array  # int32 [ceil(I / 64), P]; 0 where the program loaded nothing
-  down: jax.Array  # int32 [ceil(H / 64), P]
-  gate_up_item: jax.Array  # int32 [P]: the piece's work item, -1 if unused
-  down_item: jax.Array  # int32 [P]
-
-
-def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, split_k, tiles, interpret,
-                 count_tile_loads):
+def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles, interpret, count_tile_loads):
   a, _, _, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, block_rows, int4_dequant, interpret)
   work = work_list(group_sizes, a, r)
   x_work = gather_work_rows(x_sorted, work, r)
-  out, loads = _expert_projections(x_work, work.expert, experts, r, dequant, split_k, tiles, interpret,
-                                   count_tile_loads)
+  outs = _expert_projections(x_work, work.expert, experts, r, dequant, tiles, interpret, count_tile_loads)
+  out = outs[0] if count_tile_loads else outs
   # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero.
   y = jnp.take(out, jnp.clip(work.row_column, 0, out.shape[0] - 1), axis=0)
   y = jnp.where(work.routed[:, None], y, jnp.zeros((), y.dtype)).astype(x_sorted.dtype)
-  return (y, loads) if count_tile_loads else y
+  return (y, *outs[1:]) if count_tile_loads else y
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "split_k", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "tiles", "interpret"))
 def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
-                int4_dequant: str | None = None, split_k: bool | None = None,
-                tiles: KernelTiles | None = None, interpret=None):
+                int4_dequant: str | None = None, tiles: KernelTiles | None = None, interpret=None):
   """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
 
   Args:
@@ -638,75 +529,42 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       MMA after each 32-feature group; "smem": staged through shared memory (the form interpret
       mode can run: it models only shared-memory MMA operands). Default: "registers" on the
       GPU, else "smem".
-    split_k: let few touched experts' work spread over more programs by splitting the input
-      features (``split_items``); None (default): where the grid would be small (``use_split_k``).
     tiles: ``KernelTiles`` (static); default ``default_tiles`` (tuned on the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
-  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, split_k, tiles, interpret,
-                      False)
+  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles, interpret, False)
 
 
-def use_split_k(num_items: int, n_out: int, k_steps: int) -> bool:
-  """Static rule: split K when even all work items live would leave the grid under a few waves.
-
-  Whether few items are live is known only on the device; when many are, ``split_items`` gives
-  each one piece and the cost is the float32 partials and their sum (small at these sizes).
-  """
-  return num_items * pl.cdiv(n_out, TILE_N) < SPLIT_BELOW_PROGRAMS and k_steps >= 2 * MIN_PIECE_STEPS
-
-
-def _projection(x_work, work_expert, weights, *, silu_pair: bool, cfg: TileConfig, split_k,
-                **common):
-  """One kernel over the work layout, K split or not: bf16 [W * R, N] (+ steps, piece items)."""
-  r = common["block_rows"]
-  m = weights[0]
-  k_in, n_out = (m.in_features, m.out_features) if isinstance(m, Int4Matrix) else m.shape[1:]
-  k_steps = pl.cdiv(k_in, cfg.block_k)
-  split = use_split_k(work_expert.shape[0], n_out, k_steps) if split_k is None else split_k
-  split = split and k_steps > 1
-  if split:
-    pieces = split_items(work_expert, k_steps, max_split=min(MAX_SPLIT, max(1, k_steps // MIN_PIECE_STEPS)))
-  else:
-    pieces = whole_items(work_expert, k_steps)
-  outs = _grouped_kernel(x_work, work_expert, pieces, weights, fuse_silu=silu_pair, split=split, cfg=cfg,
-                         **common)
-  outs, steps = outs if common["count_tile_loads"] else (outs, None)
-  if split:
-    sums = [sum_pieces(o, pieces) for o in outs]
-    out = (_silu_mul(*sums) if silu_pair else sums[0]).astype(jnp.bfloat16)
-  else:
-    out = outs[0]
-  return out, steps, pieces.item
-
-
-def _expert_projections(x_work, work_expert, experts, block_rows, dequant, split_k, tiles, interpret,
+def _expert_projections(x_work, work_expert, experts, block_rows, dequant, tiles, interpret,
                         count_tile_loads=False):
-  """gate/up then down over the work layout: bf16 [W * R, H] -> (bf16 [W * R, H], TileLoads|None)."""
+  """gate/up then down over the work layout: bf16 [W * R, H] -> bf16 [W * R, H]."""
   tiles = tiles or default_tiles(experts, dequant)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
-                count_tile_loads=count_tile_loads, split_k=split_k)
-  h, h_steps, h_items = _projection(x_work, work_expert, (experts.gate, experts.up), silu_pair=True,
-                                    cfg=tiles.gate_up, **common)
-  out, out_steps, out_items = _projection(h, work_expert, (experts.down,), silu_pair=False,
-                                          cfg=tiles.down, **common)
-  return out, (TileLoads(h_steps, out_steps, h_items, out_items) if count_tile_loads else None)
+                count_tile_loads=count_tile_loads)
+  h = _grouped_kernel(x_work, work_expert, (experts.gate, experts.up), fuse_silu=True, cfg=tiles.gate_up,
+                      **common)
+  h, h_loads = h if count_tile_loads else (h, None)
+  out = _grouped_kernel(h, work_expert, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
+  if count_tile_loads:
+    out, out_loads = out
+    return out, h_loads, out_loads
+  return out
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "split_k", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "tiles", "interpret"))
 def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
-                                int4_dequant: str | None = None, split_k: bool | None = None,
-                                tiles: KernelTiles | None = None, interpret=None):
+                                int4_dequant: str | None = None, tiles: KernelTiles | None = None,
+                                interpret=None):
   """``moe_experts`` plus the weight tiles each program loaded (the structural check).
 
   Returns:
-    (y [A, H], ``TileLoads``): per (output tile, program) the pipeline steps it ran, and the
-    work item of each program's piece.
+    (y [A, H], gate_up_steps int32 [ceil(I / 64), W], down_steps int32 [ceil(H / 64), W]): the
+    pipeline steps each (output tile, work item) program ran, each loading one [64, block_k]
+    tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
   """
-  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, split_k, tiles, interpret,
-                      True)
+  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles, interpret, True)
 
 
 def reference_experts(x_sorted, group_sizes, experts):

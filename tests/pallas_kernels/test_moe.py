@@ -123,21 +123,6 @@ def test_all_tokens_on_one_expert(fmt):
   check_case(fmt, 40, seed=7, interpret=INTERPRET, top_k=1, allowed=(4,), num_padded=3)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_split_k_one_expert(fmt):
-  """One row on one expert among 8 (T = 1 of a 48-expert share: the other 7 rows are other
-  GPUs' padding): both kernels split K (H = I = 512: at least four k-steps each, in either
-  format), and the pieces sum to the reference."""
-  rng = np.random.default_rng(21)
-  order, sizes = routing(rng, 1, 1, E, allowed=(3,), num_padded=7)
-  x = sorted_rows(rng, order, sizes, 512)
-  experts = as_format(random_weights(21, hidden=512, inter=512), fmt)
-  y, loads = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, interpret=INTERPRET)
-  assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
-  for piece_item in (loads.gate_up_item, loads.down_item):
-    assert (np.asarray(piece_item) == 0).sum() >= 2  # the one item runs as several pieces
-
-
 def expected_items(sizes, block_rows):
   """(expert, first row, rows) per work item, by a plain loop over the experts."""
   items, start = [], 0
@@ -168,61 +153,37 @@ def test_work_list_against_a_loop():
     assert len(expected_items(sizes, 16)) <= moe.max_work_items(7, num_rows, 16)
 
 
-def steps_per_item(steps, piece_item, num_items):
-  """[tiles, P] per-program steps -> [tiles, num_items] summed over each item's pieces."""
-  steps, piece_item = np.asarray(steps), np.asarray(piece_item)
-  out = np.zeros((steps.shape[0], num_items), np.int64)
-  for piece, item in enumerate(piece_item):
-    if item >= 0:
-      out[:, item] += steps[:, piece]
-    else:
-      assert (steps[:, piece] == 0).all(), "an unused piece loaded weights"
-  return out
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-@pytest.mark.parametrize("split_k", [False, True])
-def test_only_touched_experts_are_read(fmt, split_k):
-  """Fails for a kernel that visits every expert: exact per-item tile-load counts, and the
-  untouched experts' weights are NaN yet the output is finite and right. With split_k the
-  two items' work is spread over all programs, and each weight tile is still loaded once."""
+def test_only_touched_experts_are_read(fmt):
+  """Fails for a kernel that visits every expert: exact per-program tile-load counts, and the
+  untouched experts' weights are NaN yet the output is finite and right."""
   rng = np.random.default_rng(11)
   touched = (1, 4)
-  hidden = 512  # four bf16 gate/up k-steps of 64 (two pieces each), two INT4 steps of 128
   order, sizes = routing(rng, 12, 1, E, touched, num_padded=2)
-  x = sorted_rows(rng, order, sizes, hidden)
-  clean = as_format(random_weights(11, hidden=hidden), fmt)
+  x = sorted_rows(rng, order, sizes, H)
+  clean = as_format(random_weights(11), fmt)
   keep = jnp.asarray(np.isin(np.arange(E), touched))[:, None, None]
   if fmt == "bf16":
     poisoned = moe.Bf16Experts(*(jnp.where(keep, w, jnp.nan).astype(jnp.bfloat16) for w in clean))
   else:
     poisoned = moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
                                  for m in (clean.gate, clean.up, clean.down)))
-  y, loads = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned, split_k=split_k,
-                                             interpret=INTERPRET)
+  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned,
+                                                                 interpret=INTERPRET)
   assert_close(y, reference(x, sizes, clean), int(sizes.sum()))
   block_rows = moe.default_block_rows(E, len(order))
   items = expected_items(sizes, block_rows)
   assert len(items) == len(touched)  # 12 rows over two experts: one item each
-  num_items = moe.max_work_items(E, len(order), block_rows)
   tiles = moe.INT4_SMEM_TILES if fmt == "int4" else moe.BF16_TILES  # interpret mode: INT4 via smem
-  gate_up_k, down_k = -(-hidden // tiles.gate_up.block_k), -(-I // tiles.down.block_k)
-  for steps, piece_item, n_out, k_steps in ((loads.gate_up, loads.gate_up_item, I, gate_up_k),
-                                            (loads.down, loads.down_item, hidden, down_k)):
+  gate_up_k, down_k = -(-H // tiles.gate_up.block_k), -(-I // tiles.down.block_k)
+  for steps, n_out, k_steps in ((gate_up_steps, I, gate_up_k), (down_steps, H, down_k)):
+    steps = np.asarray(steps)
     n_tiles = -(-n_out // moe.TILE_N)
-    assert np.asarray(steps).shape == (n_tiles, num_items)
-    per_item = steps_per_item(steps, piece_item, num_items)
-    assert (per_item[:, :len(items)] == k_steps).all() and (per_item[:, len(items):] == 0).all()
-    # Weight tiles loaded = touched items x output tiles x k-steps (visiting all E would be 3x).
-    assert np.asarray(steps).sum() == len(touched) * n_tiles * k_steps
-    pieces = int((np.asarray(piece_item) >= 0).sum())
-    if split_k and k_steps >= 2 * moe.MIN_PIECE_STEPS:
-      # Two live items over six programs: three pieces each, of at least MIN_PIECE_STEPS steps.
-      want = len(items) * min(num_items // len(items), k_steps // moe.MIN_PIECE_STEPS)
-      assert pieces == want > len(items)
-    else:
-      assert pieces == len(items)
-    assert (np.asarray(steps) > 0).sum() == pieces * n_tiles
+    assert steps.shape == (n_tiles, moe.max_work_items(E, len(order), block_rows))
+    assert (steps[:, :len(items)] == k_steps).all() and (steps[:, len(items):] == 0).all()
+    # Programs that loaded weights = touched items x output tiles (visiting all E would be 6x).
+    assert (steps > 0).sum() == len(touched) * n_tiles
+    assert steps.sum() == len(touched) * n_tiles * k_steps
 
 
 def numpy_unpack_compressed(packed, scale):
@@ -294,6 +255,14 @@ def test_bad_inputs_raise_clear_errors():
     moe.int4_from_compressed_tensors(np.zeros((4, 8), np.int32), np.zeros((4, 3), ml_dtypes.bfloat16))
 
 
+def test_model_pallas_branch_off_gpu_raises_a_clear_error():
+  cfg = KimiConfig.tiny(dtype="bfloat16", param_dtype="bfloat16", moe_impl="pallas")
+  model = kimi.init_model(cfg, seed=0)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(RuntimeError, match="moe_impl='pallas' .* needs a GPU backend"):
+    kimi.train_forward(model, tokens, jnp.ones((1, 4), bool))
+
+
 def test_model_pallas_branch_matches_xla_in_interpret_mode():
   """The tiny model in bf16: MoE through the kernel (interpreted) vs through ragged_dot."""
   cfg = KimiConfig.tiny(dtype="bfloat16", param_dtype="bfloat16")
@@ -351,22 +320,16 @@ def test_gpu_kimi_dims(gpu, fmt, dequant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-@pytest.mark.parametrize("split_k", [False, True])
-def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, split_k):
+def test_gpu_tile_loads_follow_touched_experts(gpu, fmt):
   rng = np.random.default_rng(4)
   order, sizes = routing(rng, 9, 8, 384, num_padded=1)
-  x = sorted_rows(rng, order, sizes, 1024)
-  experts = as_format(random_weights(4, num_experts=384, hidden=1024, inter=128), fmt)
-  y, loads = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, split_k=split_k)
+  x = sorted_rows(rng, order, sizes, 256)
+  experts = as_format(random_weights(4, num_experts=384, hidden=256, inter=128), fmt)
+  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts)
   assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
-  block_rows = moe.default_block_rows(384, len(order))
-  items = len(expected_items(sizes, block_rows))
-  num_items = moe.max_work_items(384, len(order), block_rows)
-  gate_up = steps_per_item(loads.gate_up, loads.gate_up_item, num_items)
-  down = steps_per_item(loads.down, loads.down_item, num_items)
-  # I = 128: two gate/up output tiles; H = 1024: sixteen down output tiles.
-  assert ((gate_up > 0).sum(), (down > 0).sum()) == (items * 2, items * 16)
-  assert (gate_up[:, items:] == 0).all() and (down[:, items:] == 0).all()
+  items = len(expected_items(sizes, moe.default_block_rows(384, len(order))))
+  assert (np.asarray(gate_up_steps) > 0).sum() == items * 2  # I = 128: two output tiles
+  assert (np.asarray(down_steps) > 0).sum() == items * 4  # H = 256: four output tiles
 
 
 def teacher_forced_logits(model, sequences, chunk_size):
@@ -382,23 +345,22 @@ def teacher_forced_logits(model, sequences, chunk_size):
 
 @pytest.mark.gpu
 def test_gpu_demo_pair_greedy_with_pallas_moe_matches_xla(gpu):
-  """The shipped pair in bf16 with the kernel against the XLA target.
+  """The shipped pair in bf16 with the kernel: lossless, accepted, and close to the XLA target.
 
-  Measured in the first GPU run: greedy decoding with the kernel left DESIGN's near-tie rule in
-  one of 4 streams (a flip at a reference margin of 0.29 > 1e-2). The README already records the
-  XLA path itself leaving the rule at such margins when only shapes change, so bf16 rounding
-  noise, not the rule's 1e-2, sets what "equal" can mean here. Asserted instead:
-  * teacher-forced on the same token streams, the kernel moves the logits no further than
-    re-chunking the XLA prefill does (2x on the mean, 3x on the max |change|; a wrong expert or
-    a lost row would move them far more);
-  * ddtree (budget 16) with the kernel is accepted (tau > 2).
-  The near-tie verdicts of greedy and speculative decoding against the XLA greedy reference are
-  printed, not asserted. Second GPU run: mean/max |logit change| kernel 0.0180/1.389 against XLA
-  re-chunked 0.0121/1.342 (3 argmax flips in 640 positions); that run's time limit stopped the
-  test before its speculative part finished.
+  * Lossless (asserted, DESIGN's bf16 near-tie rule): ddtree at budget 16 with the kernel equals
+    greedy decoding of the same kernel target. The kernel computes each row the same way whatever
+    the other rows (fixed tiles, no split K), so verify and greedy steps differ only in the XLA
+    parts of the model.
+  * Accepted: tau > 2 (a broken drafter sits near 1).
+  * Close to XLA (asserted on teacher-forced logits): the kernel moves the logits no further than
+    re-chunking the XLA prefill does (2x on the mean, 3x on the max |change|; a wrong expert or a
+    lost row moves them far more). Greedy tokens with the kernel are not asserted equal to XLA
+    greedy under the 1e-2 rule: in the first GPU run they flipped at a reference margin of 0.29,
+    and the XLA path itself leaves the rule when only shapes change (README), so bf16 noise,
+    not the kernel, decides such flips. Their verdict is printed.
   """
   from ddtree_jax import engine
-  from ddtree_jax.near_tie import classify, greedy_reference
+  from ddtree_jax.near_tie import check_near_ties, classify, greedy_reference
   from models import dflash, loading
 
   num_prompts, max_new = 4, 32
@@ -408,7 +370,21 @@ def test_gpu_demo_pair_greedy_with_pallas_moe_matches_xla(gpu):
   targets = {impl: loading.load_kimi("kimi-demo", dtype="bfloat16", param_dtype="bfloat16", moe_impl=impl)
              for impl in ("xla", "pallas")}
   assert targets["pallas"].cfg.moe_impl == "pallas"
+  plain, plain_margins = greedy_reference(targets["pallas"], prompts, max_new, max_len)
+  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16", param_dtype="bfloat16")
+  dec = engine.SpeculativeDecoder(targets["pallas"], dflash.DFlashDrafter(draft.cfg),
+                                  dflash.DFlashDrafter.params(draft, targets["pallas"]), policy="ddtree",
+                                  budgets=(16,), batch_buckets=(num_prompts,), max_len=max_len,
+                                  show_progress=False)
+  result = dec.generate(prompts, max_new, stop_token_ids=[])
+  ties = check_near_ties(result.tokens, plain, plain_margins, dtype="bfloat16", context="ddtree/16 pallas MoE")
+  print(f"ddtree/16 with the kernel vs greedy with the kernel: equal up to {ties} near ties; "
+        f"tau {result.mean_accepted_length:.2f}")
+  assert result.mean_accepted_length > 2.0
+
   reference_tokens, margins = greedy_reference(targets["xla"], prompts, max_new, max_len)
+  print("greedy with the kernel vs XLA greedy (bf16 near-tie rule, not asserted): "
+        f"{classify(plain, reference_tokens, margins, 'bfloat16')}")
   sequences = [p + t for p, t in zip(prompts, reference_tokens)]
   xla_32 = teacher_forced_logits(targets["xla"], sequences, 32)
   xla_16 = teacher_forced_logits(targets["xla"], sequences, 16)
@@ -421,16 +397,3 @@ def test_gpu_demo_pair_greedy_with_pallas_moe_matches_xla(gpu):
   assert np.isfinite(pallas_32).all()
   assert kernel_shift.mean() <= 2 * shape_noise.mean() + 1e-4
   assert kernel_shift.max() <= 3 * shape_noise.max() + 1e-3
-
-  plain, _ = greedy_reference(targets["pallas"], prompts, max_new, max_len)
-  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16", param_dtype="bfloat16")
-  dec = engine.SpeculativeDecoder(targets["pallas"], dflash.DFlashDrafter(draft.cfg),
-                                  dflash.DFlashDrafter.params(draft, targets["pallas"]), policy="ddtree",
-                                  budgets=(16,), batch_buckets=(num_prompts,), max_len=max_len,
-                                  show_progress=False)
-  result = dec.generate(prompts, max_new, stop_token_ids=[])
-  for name, tokens in (("greedy", plain), ("ddtree/16", result.tokens)):
-    print(f"{name} with the kernel vs XLA greedy (bf16 near-tie rule): "
-          f"{classify(tokens, reference_tokens, margins, 'bfloat16')}")
-  print(f"tau {result.mean_accepted_length:.2f}")
-  assert result.mean_accepted_length > 2.0
