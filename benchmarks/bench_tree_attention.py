@@ -140,7 +140,7 @@ def reference_fits(heads, batch, cached, q_len):
 
 
 def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_splits=None,
-             partial_dtype="float32", check=True):
+             partial_dtype="float32", check=True, rows_per_tile=None):
   c_kv, k_pe = pool
   rotations = c_kv.shape[0] // batch
   key = jax.random.key(heads * 1000003 + batch * 101 + cached + q_len)
@@ -154,7 +154,7 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   arg_sets = [(q_lat, q_rope, c_kv, k_pe, slot_sets[i % rotations], prefix, visibility, valid)
               for i in range(calls)]
   kernel = jax.jit(functools.partial(ta.mla_tree_attention, scale=SCALE, num_splits=num_splits,
-                                     partial_dtype=partial_dtype))
+                                     partial_dtype=partial_dtype, rows_per_tile=rows_per_tile))
   t0 = time.perf_counter()
   out = jax.block_until_ready(kernel(*arg_sets[0]))
   compile_s = time.perf_counter() - t0
@@ -162,12 +162,12 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len, calls=calls,
              time_us=total_ms * 1e3, kernel_us=kernel_ms * 1e3, kernels_per_call=kernels,
              timer=how, compile_s=round(compile_s, 2), num_splits=num_splits,
-             partial_dtype=partial_dtype)
+             partial_dtype=partial_dtype, rows_per_tile_override=rows_per_tile)
   plan = ta.plan(q_len=q_len, heads_per_group=heads, num_work=batch, key_dims=(LATENT, ROPE),
                  value_dim=LATENT, shared_value=True, cache_len=c_kv.shape[1],
-                 num_splits=num_splits)
+                 num_splits=num_splits, rows_per_tile=rows_per_tile)
   row.update(rows_per_tile=plan.rows_per_tile, row_tiles=plan.num_row_tiles,
-             splits=plan.num_splits)
+             splits=plan.num_splits, value_wgs=plan.value_wgs)
   row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak))
   row["kernel_only_roofline_fraction"] = row["roofline_us"] / row["kernel_us"]
   if check and reference_fits(heads, batch, cached, q_len):
@@ -227,7 +227,8 @@ def cells(args):
 
 
 def is_variant(r):
-  return r.get("num_splits") is not None or r.get("partial_dtype", "float32") != "float32"
+  return (r.get("num_splits") is not None or r.get("rows_per_tile_override") is not None
+          or r.get("partial_dtype", "float32") != "float32")
 
 
 def markdown(results):
@@ -254,13 +255,14 @@ def markdown(results):
         f"{r['flops_per_s'] / 1e12:.0f} | {ref} | {sp} | {da} | {err} |")
   tuning = [r for r in results["rows"] if is_variant(r) and "error" not in r]
   if tuning:
-    lines += ["", "Variants (split count, bf16 partials):", "",
-              "| heads | batch | cached | q_len | splits | partials | time us | kernel us | "
-              "roofline frac | max err |", "| --- " * 10 + "|"]
+    lines += ["", "Variants (forced split count or row tile, bf16 partials):", "",
+              "| heads | batch | cached | q_len | rows/tile | tiles x splits | partials | time us | "
+              "kernel us | roofline frac | max err |", "| --- " * 11 + "|"]
     for r in tuning:
       err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
       lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
-                   f"{r['splits']} | {r['partial_dtype']} | {r['time_us']:.1f} | "
+                   f"{r['rows_per_tile']} | {r['row_tiles']}x{r['splits']} | "
+                   f"{r['partial_dtype']} | {r['time_us']:.1f} | "
                    f"{r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
   errors = [r for r in results["rows"] if "error" in r]
   if errors:
@@ -284,7 +286,7 @@ def main():
   parser.add_argument("--min-calls", type=int, default=5)
   parser.add_argument("--max-calls", type=int, default=60)
   parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting cells after this")
-  parser.add_argument("--tune", action="store_true", help="also time split counts / bf16 partials")
+  parser.add_argument("--tune", action="store_true", help="also time forced row tiles / split counts / bf16 partials")
   parser.add_argument("--no-decode-attention", dest="decode_attention", action="store_false")
   parser.add_argument("--plot", action="store_true")
   parser.add_argument("--name", default="bench_tree_attention")
@@ -327,14 +329,15 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
   if args.tune and time.perf_counter() - start < args.budget_s + 60:
-    for heads, batch, cached, q_len in [(8, 1, 32768, 1), (8, 1, 32768, 17), (8, 8, 32768, 9)]:
+    for heads, batch, cached, q_len in [(8, 1, 32768, 17)]:  # the 5x goal cell
       if batch not in pools:
         pools.clear()
         pools[batch] = make_pool(batch, max_cached + 4096, 4, jax.random.key(batch))
-      for splits, dtype in [(16, "float32"), (33, "float32"), (66, "float32"), (None, "bfloat16")]:
+      for splits, dtype, rt in [(None, "float32", 32), (16, "float32", None),
+                                (66, "float32", None), (None, "bfloat16", None)]:
         try:
           row = run_cell(heads, batch, cached, q_len, pools[batch], bandwidth, peak, args,
-                         num_splits=splits, partial_dtype=dtype, check=False)
+                         num_splits=splits, partial_dtype=dtype, check=False, rows_per_tile=rt)
           print({k: row[k] for k in ("heads", "batch", "cached", "q_len", "splits", "partial_dtype",
                                      "time_us", "kernel_us", "roofline_fraction")}, flush=True)
         except Exception as e:  # noqa: BLE001

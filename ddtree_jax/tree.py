@@ -44,9 +44,11 @@ def window_mask_bits(visibility, valid):
   words = -(-q_len // 32)
   mask = jnp.pad(mask, ((0, 0), (0, 0), (0, words * 32 - q_len)))
   bits = mask.reshape(batch, q_len, words, 32).astype(jnp.uint32)
-  weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
-  # Distinct powers of two never carry, so the sum is the bitwise or.
-  packed = jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
+  # Shifts and ors of 32 slices rather than a sum over an axis: elementwise, so XLA fuses the
+  # packing into whatever consumes it (the kernel's metadata) instead of a separate reduction.
+  packed = bits[..., 0]
+  for bit in range(1, 32):
+    packed = packed | jnp.left_shift(bits[..., bit], jnp.uint32(bit))
   return jax.lax.bitcast_convert_type(packed, jnp.int32)
 
 

@@ -9,24 +9,37 @@ row sees only its own column.
 Layout of the work (why it is shaped this way):
   * Rows. The ``Q x heads`` query rows of one request (one KV group) share every key, so they are
     folded into one row axis and cut into tiles of ``rows_per_tile`` rows; each KV tile brought
-    into shared memory serves all rows of a row tile at once.
+    into shared memory serves all rows of a row tile at once. Every row tile re-reads the
+    request's KV, so the plan takes the fewest row tiles that fit (48 rows for Kimi: 136 rows of
+    Q=17 in 3 tiles; 32-row tiles needed 5).
   * Transposed products. With 8 heads a tree of 9 nodes has only 72 rows, far fewer than the 64-row
     minimum of a wgmma M dimension per tile, so the kernel computes scores transposed,
     ``S^T[kv, rows] = K Q^T`` (KV positions on M, rows on N, which only needs multiples of 8), and
     the output transposed, ``O^T[dv, rows] = V^T P^T``. Both are wgmma with operands in shared
-    memory; the softmax reduces over axis 0. ``O^T`` lives in registers: ``dv x rows_per_tile / 128``
-    fp32 registers per thread, which is what bounds ``rows_per_tile`` (32 for Kimi's 512-wide latent).
-  * Threads. Each CTA runs one compute warpgroup and one memory warpgroup. The memory warpgroup
-    streams KV tiles with TMA into a ring of shared-memory stages while the compute warpgroup works
-    on the previous one (the tile assignment is written for several compute warpgroups taking
-    alternate tiles, but a second one is not safe yet: see ``Plan.compute_wgs``).
+    memory (P stored ``[rows, kv]``, K-major); the softmax reduces over axis 0.
+  * Threads. Each CTA runs a memory warpgroup, which streams KV tiles with TMA into a ring of
+    shared-memory stages, and one or two compute warpgroups. ``O^T`` lives in registers
+    (``dv x rows_per_tile / 128`` fp32 per thread for one warpgroup), so for Kimi's 512-wide latent
+    two warpgroups each own 256 rows of ``O^T``: warpgroup 0 computes ``S^T`` and the online
+    softmax, hands ``P`` (double-buffered) and the per-row rescale factors to warpgroup 1 through
+    shared memory, and both multiply by their half of ``V^T``. Only warpgroup 0 reduces across
+    warps, because Mosaic GPU gives every such reduction the same static scratch buffer.
+    Shared memory, not registers, caps the row tile at 48: the query tile and two 73.7 KB KV
+    stages leave room for no more.
   * Split KV. The grid is ``(request x group, split, row tile)``; each request's live columns
     ``[0, min(prefix_len + Q, T))`` are cut into ``num_splits`` equal tile-aligned ranges, so batch 1
-    still fills the GPU; tiles past a request's length are never read. Each split writes a
-    normalised partial output and its base-2 log-sum-exp; a small XLA epilogue merges them.
+    still fills the GPU; tiles past a request's length are never read. The split count minimises
+    waves x tiles per CTA, so batch 8 with long trees runs several waves rather than one split per
+    request. Each split writes a normalised partial output and its base-2 log-sum-exp; a small XLA
+    epilogue merges them.
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
-    visibility bits.
+    visibility bits. Those per-row words and the request's slot, window start and length travel in
+    one int32 array built by one XLA fusion (``_window_meta``).
+  * Tried and dropped (H200 measurements in ``benchmarks/results/bench_tree_attention.md``): a
+    cluster of the row tiles of one split sharing each KV tile by TMA multicast (correct, but 1.2x
+    to 4x slower: the cluster-wide stage release puts the CTAs in lockstep), and a one-pass
+    variadic-reduction merge (slower in XLA than the two-pass merge).
 
 Inputs may be float32 or bfloat16; products run in bfloat16 with float32 accumulation (casting a
 float32 cache pool copies it, so bf16 pools are the fast path); the probabilities are rounded to
@@ -59,20 +72,21 @@ class Plan:
 
   rows_per_tile: int
   num_row_tiles: int
-  swizzle: int  # bytes; 64 or 128
+  # Bytes, of every shared-memory operand: KV stages and query tile (minor dim: features) and
+  # P (minor dim: the 64 KV positions). P^T meets V^T in one wgmma, and Mosaic GPU wants one
+  # swizzle for both operands; P is stored [Rt, 64] (K-major for the wgmma) so that any row tile
+  # that is a multiple of 8 works (P^T stored [64, Rt] would tie Rt to the swizzle width).
+  swizzle: int
   num_stages: int
   num_splits: int
   rows_stored: int  # columns of O^T written per partial (< rows_per_tile only for one small tile)
-  # Compute warpgroups per CTA; they would take alternate KV tiles. One: Mosaic GPU places a
-  # cross-warp reduction's shared-memory scratch at a static offset, so two warpgroups running the
-  # same softmax code share one scratch buffer and race on it (seen on the H200: wrong outputs and
-  # NaNs with two). A second warpgroup needs its own scratch offset first.
-  compute_wgs: int = 1
-  partial_dtype: str = "float32"  # of the per-(split, warpgroup) outputs the epilogue merges
-
-  @property
-  def num_parts(self) -> int:
-    return self.num_splits * self.compute_wgs
+  # Compute warpgroups; warpgroup w owns rows [w, w + 1) * Dv / value_wgs of O^T. Warpgroup 0
+  # alone computes S^T and the softmax and hands P and the rescale factors to warpgroup 1
+  # through shared memory: only one warpgroup ever runs a cross-warp reduction (Mosaic GPU gives
+  # every reduction the same static shared-memory scratch, so two reducing warpgroups would race),
+  # and the O^T accumulator of a 48-row tile fits two warpgroups' registers, not one's.
+  value_wgs: int
+  partial_dtype: str = "float32"  # of the per-split outputs the epilogue merges
 
 
 def _round_up(x: int, m: int) -> int:
@@ -89,10 +103,28 @@ def _num_sms() -> int:
   return 132  # an H100/H200; only the split heuristic uses it
 
 
+def _swizzle_for(*widths: int) -> int | None:
+  """The widest TMA/wgmma swizzle (bytes) whose bf16 span divides every minor width given."""
+  for swizzle in (128, 64, 32):
+    if all(w % (swizzle // 2) == 0 for w in widths):
+      return swizzle
+  return None
+
+
+def _smem_bytes(rt: int, key_width: int, value_width: int, num_words: int, num_stages: int) -> int:
+  """Shared memory of one CTA; small buffers count a whole 1 KiB (allocation alignment)."""
+  small = lambda nbytes: _round_up(nbytes, 1024)
+  return (num_stages * BLOCK_KV * (key_width + value_width) * 2  # KV ring
+          + rt * key_width * 2  # query tile
+          + 2 * BLOCK_KV * rt * 2  # P^T, double-buffered
+          + small((1 + num_words) * rt * 4) + small(3 * rt * 4) + 1024  # metadata, exchange, barriers
+          + REDUCTION_SCRATCH_BYTES)
+
+
 def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim: int,
          shared_value: bool, cache_len: int, num_splits: int | None = None,
-         partial_dtype: str = "float32") -> Plan:
-  """Block sizes for one call, from a small table keyed by the row count per request.
+         partial_dtype: str = "float32", rows_per_tile: int | None = None) -> Plan:
+  """Block sizes for one call, chosen from the register and shared-memory budgets.
 
   Args:
     q_len, heads_per_group: rows per request (and KV group) are ``q_len * heads_per_group``.
@@ -100,68 +132,79 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     key_dims: padded widths of the key parts (MLA: latent and rope); value_dim: padded value width.
     shared_value: the values are key part 0 (absorbed MLA), so a stage holds no separate V tile.
     cache_len: T, columns of the cache pool.
-    num_splits: force the KV split count (tests, tuning); default from the SM count.
+    num_splits: force the KV split count (tests, tuning); default ``_choose_splits``.
     partial_dtype: "float32" (default) or "bfloat16" (half the epilogue's traffic, adds one bf16
       rounding of each partial output).
+    rows_per_tile: force the row tile (tests, tuning); default: fewest row tiles that fit.
   """
-  compute_wgs = Plan.compute_wgs
   if partial_dtype not in ("float32", "bfloat16"):
     raise ValueError(f"partial_dtype must be 'float32' or 'bfloat16', got {partial_dtype!r}")
   rows = q_len * heads_per_group
-  # Register budget of one compute warpgroup (128 threads): O^T takes value_dim * rows / 128 and
-  # S^T / P^T take 64 * rows / 128 fp32 registers per thread; keep both under ~160.
-  max_rows = max(32, (160 * 128) // (value_dim + BLOCK_KV))
-  dims = list(key_dims) + [value_dim]
-  # The swizzle must divide every contraction width and the row tile (P^T is stored [kv, rows]).
-  candidates = []
-  for rt in (32, 64, 96, 128):
-    if rt > max_rows or rt > 256:
-      continue
-    for swizzle in (128, 64):
-      elems = swizzle // 2
-      if rt % elems == 0 and all(d % elems == 0 for d in dims):
-        candidates.append((rt, swizzle))
-        break
-  if not candidates:
-    raise ValueError(f"no row tile fits value_dim={value_dim} and key dims {key_dims}")
-  # The largest tile whose padding stays within 15% of the least padded choice: padded rows cost
-  # tensor-core work, while every extra row tile re-reads the request's KV (from L2 at best).
-  least = min(_round_up(rows, rt) for rt, _ in candidates)
-  rt, swizzle = max((c for c in candidates if _round_up(rows, c[0]) <= 1.15 * least),
-                    key=lambda c: c[0])
-  num_row_tiles = -(-rows // rt)
+  # Two value warpgroups when each half of Dv is still a whole number of 64-row wgmma tiles.
+  value_wgs = 2 if value_dim % 128 == 0 else 1
   key_width = sum(key_dims)
-  stage_bytes = BLOCK_KV * (key_width + (0 if shared_value else value_dim)) * 2
-  fixed_bytes = (rt * key_width * 2 + compute_wgs * BLOCK_KV * rt * 2 + 8 * rt * 4 +
-                 compute_wgs * REDUCTION_SCRATCH_BYTES + 2048)
-  # A multiple of the warpgroup count, so that each stage is only ever awaited by one warpgroup.
-  num_stages = 2
-  while fixed_bytes + (num_stages + 2) * stage_bytes <= SMEM_BUDGET and num_stages < 4:
-    num_stages += 2
-  if fixed_bytes + num_stages * stage_bytes > SMEM_BUDGET:
+  value_width = 0 if shared_value else value_dim
+  swizzle = _swizzle_for(*key_dims, value_dim, BLOCK_KV)
+  if swizzle is None:
+    raise ValueError(f"feature widths {key_dims}, {value_dim} are not multiples of 16")
+  num_words = -(-q_len // 32)
+  # Registers of warpgroup 0 (128 threads): its O^T slice takes (Dv / value_wgs) * Rt / 128 and
+  # S^T / P^T take 64 * Rt / 128 fp32 registers per thread; keep the sum under ~160.
+  max_rows = (160 * 128) // (value_dim // value_wgs + BLOCK_KV)
+  options = []
+  for rt in range(32, min(max_rows, 256) + 1, 8):  # a wgmma N dimension: a multiple of 8
+    if rows_per_tile and rt != rows_per_tile:
+      continue
+    for stages in (4, 3, 2):
+      if _smem_bytes(rt, key_width, value_width, num_words, stages) <= SMEM_BUDGET:
+        options.append((rt, stages))
+        break
+  if not options:
     raise ValueError(
-        f"tree attention: a {BLOCK_KV}-row KV stage of width {key_width} does not fit shared "
-        f"memory twice beside a {rt}-row query tile")
+        f"tree attention: no row tile fits beside two {BLOCK_KV}-row KV stages of width "
+        f"{key_width + value_width} (value width {value_dim}, rows_per_tile={rows_per_tile})")
+  # Each row tile streams its request's KV into its SM once more, and that stream (~4 TB/s into
+  # the SMs in total, whether from HBM or L2: measured) bounds the kernel, so the fewest row tiles
+  # win; among equals the narrowest tile (least padding).
+  rt, num_stages = min(options, key=lambda o: (-(-rows // o[0]), o[0]))
+  num_row_tiles = -(-rows // rt)
   if num_splits is None:
-    tiles = -(-cache_len // BLOCK_KV)
-    # One wave of at most one CTA per SM (shared memory holds one), each warpgroup keeping at
-    # least one tile per split.
-    num_splits = max(1, min(_num_sms() // (num_work * num_row_tiles), tiles // compute_wgs))
+    num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
   return Plan(rows_per_tile=rt, num_row_tiles=num_row_tiles, swizzle=swizzle,
-              num_stages=num_stages, num_splits=num_splits, rows_stored=rows_stored,
-              compute_wgs=compute_wgs, partial_dtype=partial_dtype)
+              num_stages=num_stages, num_splits=num_splits,
+              rows_stored=rows_stored, value_wgs=value_wgs, partial_dtype=partial_dtype)
 
 
-def _kernel(req_ref, meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
-            num_groups: int, num_words: int, q_len: int, heads_per_group: int, cache_len: int,
-            scale: float, interpreted: bool):
-  """One CTA: request-group ``bg``, KV split ``split``, row tile ``rt``; 3 warpgroups.
+def _choose_splits(tiles: int, ctas_per_split: int) -> int:
+  """KV splits per request: the count minimising (waves) x (tiles per CTA + start-up).
 
-  Refs (GMEM): req_ref int32[B, 3] (slot, window start, live length); meta_ref int32[BG, n_rt,
-  1 + W, Rt] (prefix cut, packed window words); q parts [BG, rows, Dk_i]; key pools [S, T, G, Dk_i];
-  value pool [S, T, G, Dv] unless shared with key part 0; outputs o_part [BG, n_rt, parts, Dv,
-  rows_stored] and lse_part [BG, n_rt, parts, Rt]; then scratch.
+  One CTA fits an SM (shared memory), so ``ctas_per_split * splits`` CTAs run in waves of the SM
+  count. Several waves of short splits beat one wave with idle SMs (batch 8 with long trees
+  used to get one split per request); the 2% margin keeps the smaller count on near-ties, since
+  every split adds a partial output to merge.
+  """
+  sms = _num_sms()
+  start_up = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
+  best, best_cost = 1, None
+  for splits in range(1, max(1, min(tiles, 4 * sms)) + 1):
+    waves = -(-ctas_per_split * splits // sms)
+    cost = waves * (tiles / splits + start_up)
+    if best_cost is None or cost < best_cost * 0.98:
+      best, best_cost = splits, cost
+  return best
+
+
+def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
+            num_groups: int, num_words: int, cache_len: int, scale: float, interpreted: bool):
+  """One CTA: request-group ``bg``, KV split ``split``, row tile ``rt``.
+
+  Warpgroups 0 .. value_wgs - 1 compute, warpgroup ``value_wgs`` streams KV tiles.
+  Refs (GMEM): meta_ref int32[BG, n_rt, 2 + W, Rt] (per row: prefix cut, packed window words; row
+  1 + W starts with the request's pool slot, window start and live length); q parts
+  [BG, rows, Dk_i] (a tile reaching past the last row reads zeros: TMA fills out-of-bounds boxes);
+  key pools [S, T, G, Dk_i]; value pool [S, T, G, Dv] unless shared with key part 0; outputs
+  o_part [BG, n_rt, splits, Dv, rows_stored] and lse_part [BG, n_rt, splits, Rt]; then scratch.
   """
   n = num_key_parts
   q_refs = refs[:n]
@@ -172,23 +215,25 @@ def _kernel(req_ref, meta_ref, *refs, plan: Plan, num_key_parts: int, shared_val
   else:
     value_ref, rest = rest[0], rest[1:]
   o_ref, lse_ref = rest[0], rest[1]
-  (key_smem, value_smem, q_smem, meta_smem, p_smem, loaded, consumed, q_barrier) = rest[2:]
+  (key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded, consumed, p_ready, p_free,
+   q_barrier, done) = rest[2:]
   if shared_value:
     value_smem = key_smem[0]
 
   rt_rows = plan.rows_per_tile
   bk = BLOCK_KV
   num_stages = plan.num_stages
+  vw = plan.value_wgs
+  dv_slice = value_smem.shape[-1] // vw
 
   bg = lax.axis_index("bg")
   split = lax.axis_index("split")
   row_tile = lax.axis_index("rt")
   wg = lax.axis_index("wg")
-  b = lax.div(bg, num_groups)
   group = lax.rem(bg, num_groups)
-  pool_slot = req_ref[b, 0]
-  window_start = req_ref[b, 1]
-  live = req_ref[b, 2]
+  pool_slot = meta_ref[bg, 0, 1 + num_words, 0]
+  window_start = meta_ref[bg, 0, 1 + num_words, 1]
+  live = meta_ref[bg, 0, 1 + num_words, 2]
   # Equal tile-aligned ranges of this request's live columns, one per split.
   per_split = lax.div(lax.div(live + plan.num_splits - 1, plan.num_splits) + bk - 1, bk) * bk
   lo = split * per_split
@@ -197,21 +242,36 @@ def _kernel(req_ref, meta_ref, *refs, plan: Plan, num_key_parts: int, shared_val
   # First tile that reaches the window (needs the packed visibility bits).
   before = window_start - lo - bk  # tile i reaches the window iff lo + (i + 1) * bk > window_start
   first_window_tile = jnp.clip(jnp.where(before < 0, 0, lax.div(before, bk) + 1), 0, num_tiles)
+  reduce0 = plgpu.Layout.WGMMA.reduce(0)
 
   def tile_start(i):
     """Nominal first column of tile i, and where its load starts (clamped inside the pool)."""
     nominal = lo + i * bk
     return nominal, jnp.minimum(nominal, cache_len - bk)
 
-  cw = plan.compute_wgs
+  def add_values(acc, stage, buf, which: int):
+    """``acc [Dv / vw, Rt] += V^T[which slice] P^T[buf]`` (V^T read from the KV stage)."""
+    v_t = value_smem.at[stage, :, pl.ds(which * dv_slice, dv_slice)].transpose((1, 0))
+    p_t = p_smem.at[buf].transpose((1, 0))  # [64 kv, Rt], kv contiguous (K-major B operand)
+    return _accumulate(lambda acc_ref: plgpu.wgmma(acc_ref, v_t, p_t), acc, interpreted)
 
-  @pl.when(wg == cw)
+  def store_output(acc, which: int, inv_l):
+    out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [1])).astype(o_ref.dtype)
+    if plan.rows_stored < rt_rows:
+      out = out[:, :plan.rows_stored]
+    o_ref.at[bg, row_tile, split, pl.ds(which * dv_slice, dv_slice)][...] = out
+
+  def zero_acc():
+    return plgpu.layout_cast(jnp.zeros((dv_slice, rt_rows), jnp.float32), plgpu.Layout.WGMMA)
+
+  @pl.when(wg == vw)
   def _memory_wg():
     plgpu.set_max_registers(40, action="decrease")
     row0 = row_tile * rt_rows
     for part in range(n):
       plgpu.copy_gmem_to_smem(q_refs[part].at[bg, pl.ds(row0, rt_rows)], q_smem[part], q_barrier)
-    plgpu.copy_gmem_to_smem(meta_ref.at[bg, row_tile], meta_smem, q_barrier)
+    plgpu.copy_gmem_to_smem(meta_ref.at[bg, row_tile, pl.ds(0, 1 + num_words)], meta_smem,
+                            q_barrier)
 
     def load(i, _):
       stage = lax.rem(i, num_stages)
@@ -236,19 +296,13 @@ def _kernel(req_ref, meta_ref, *refs, plan: Plan, num_key_parts: int, shared_val
 
     lax.fori_loop(jnp.maximum(num_tiles - num_stages, 0), num_tiles, drain, None)
 
-  @pl.when(wg < cw)
-  def _compute_wg():
+  @pl.when(wg == 0)
+  def _softmax_wg():
     plgpu.set_max_registers(232, action="increase")
     plgpu.barrier_wait(q_barrier)
-    reduce0 = plgpu.Layout.WGMMA.reduce(0)
     prefix_cut = lax.broadcast_in_dim(plgpu.load(meta_smem.at[0], layout=reduce0), (bk, rt_rows),
                                       [1])
     kv_iota = plgpu.broadcasted_iota(jnp.int32, (bk, rt_rows), 0, layout=plgpu.Layout.WGMMA)
-    p_buf = p_smem.at[wg]
-    # Tiles wg, wg + cw, ...: the split between cheap and window tiles, counted in own tiles.
-    own_tiles = jnp.maximum(lax.div(num_tiles - wg + cw - 1, cw), 0)
-    own_cheap = jnp.minimum(lax.div(first_window_tile - wg + cw - 1, cw), own_tiles)
-    own_cheap = jnp.maximum(own_cheap, 0)
 
     def visible_window(col):
       """Packed visibility bits of the window columns (col - window_start in [0, 32 W))."""
@@ -263,10 +317,10 @@ def _kernel(req_ref, meta_ref, *refs, plan: Plan, num_key_parts: int, shared_val
         seen = seen | (inside & (bit != 0))
       return seen
 
-    def step(j, carry, window: bool):
+    def step(i, carry, window: bool):
       acc, m_run, l_run = carry
-      i = cw * j + wg
       stage = lax.rem(i, num_stages)
+      buf = lax.rem(i, 2)
       nominal, start = tile_start(i)
       plgpu.barrier_wait(loaded.at[stage])
 
@@ -290,40 +344,58 @@ def _kernel(req_ref, meta_ref, *refs, plan: Plan, num_key_parts: int, shared_val
       alpha = jnp.exp2(m_run - m_safe)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
       l_run = l_run * alpha + p.sum(axis=0)
-      p_buf[...] = p.astype(p_buf.dtype)
+      if vw == 2:
+        # Buffer ``buf`` was last read by warpgroup 1 two tiles ago.
+        @pl.when(i >= 2)
+        def _():
+          plgpu.barrier_wait(p_free.at[buf])
+
+        exchange.at[buf][...] = alpha
+      p_smem.at[buf].transpose((1, 0))[...] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
+      if vw == 2:
+        plgpu.barrier_arrive(p_ready.at[buf])
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-
-      def values(acc_ref):
-        plgpu.wgmma(acc_ref, value_smem.at[stage].transpose((1, 0)), p_buf)
-
-      acc = _accumulate(values, acc, interpreted)
+      acc = add_values(acc, stage, buf, 0)
       plgpu.barrier_arrive(consumed.at[stage])
       return acc, m_new, l_run
 
-    def run_tiles(own_cheap, own_tiles, step):
-      dv = value_smem.shape[-1]
-      acc = plgpu.layout_cast(jnp.zeros((dv, rt_rows), jnp.float32), plgpu.Layout.WGMMA)
-      m_run = plgpu.layout_cast(jnp.full((rt_rows,), -jnp.inf, jnp.float32), reduce0)
-      l_run = plgpu.layout_cast(jnp.zeros((rt_rows,), jnp.float32), reduce0)
-      carry = lax.fori_loop(0, own_cheap, functools.partial(step, window=False), (acc, m_run, l_run))
-      acc, m_run, l_run = lax.fori_loop(own_cheap, own_tiles, functools.partial(step, window=True),
-                                        carry)
-      empty = l_run == 0.0
-      inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
-      out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [1])
-      lse = jnp.where(empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
-      part = split * cw + wg
-      out = out.astype(o_ref.dtype)
-      if plan.rows_stored < rt_rows:
-        out = out[:, :plan.rows_stored]
-      o_ref.at[bg, row_tile, part][...] = out
-      lse_ref.at[bg, row_tile, part][...] = lse
+    m_run = plgpu.layout_cast(jnp.full((rt_rows,), -jnp.inf, jnp.float32), reduce0)
+    l_run = plgpu.layout_cast(jnp.zeros((rt_rows,), jnp.float32), reduce0)
+    carry = lax.fori_loop(0, first_window_tile, functools.partial(step, window=False),
+                          (zero_acc(), m_run, l_run))
+    acc, m_run, l_run = lax.fori_loop(first_window_tile, num_tiles,
+                                      functools.partial(step, window=True), carry)
+    empty = l_run == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
+    if vw == 2:
+      exchange.at[2][...] = inv_l
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(done)
+    store_output(acc, 0, inv_l)
+    lse_ref.at[bg, row_tile, split][...] = jnp.where(
+        empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
 
-    def loop_and_store():
-      run_tiles(own_cheap, own_tiles, step)
+  if vw == 2:
+    @pl.when(wg == 1)
+    def _values_wg():
+      plgpu.set_max_registers(232, action="increase")
 
-    loop_and_store()
+      def step(i, acc):
+        stage = lax.rem(i, num_stages)
+        buf = lax.rem(i, 2)
+        plgpu.barrier_wait(loaded.at[stage])
+        plgpu.barrier_wait(p_ready.at[buf])
+        alpha = plgpu.load(exchange.at[buf], layout=reduce0)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+        acc = add_values(acc, stage, buf, 1)
+        plgpu.barrier_arrive(p_free.at[buf])
+        plgpu.barrier_arrive(consumed.at[stage])
+        return acc
+
+      acc = lax.fori_loop(0, num_tiles, step, zero_acc())
+      plgpu.barrier_wait(done)
+      store_output(acc, 1, plgpu.load(exchange.at[2], layout=reduce0))
 
 
 def _accumulate(issue, acc, interpreted: bool):
@@ -347,7 +419,7 @@ def _transforms(swizzle: int):
 
 def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid, *, scale,
             q_len, heads_per_group, num_groups, interpret, num_splits=None,
-            partial_dtype="float32"):
+            partial_dtype="float32", rows_per_tile=None):
   """Runs the kernel on folded operands and merges the partials.
 
   Args:
@@ -364,23 +436,17 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   value_dim = (key_pools[0] if value_pool is None else value_pool).shape[-1]
   pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=bg_count, key_dims=key_dims,
              value_dim=value_dim, shared_value=value_pool is None, cache_len=cache_len,
-             num_splits=num_splits, partial_dtype=partial_dtype)
+             num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile)
   rt_rows, n_rt = pl_.rows_per_tile, pl_.num_row_tiles
-  rows_pad = rt_rows * n_rt
-  q_parts = [jnp.pad(q, ((0, 0), (0, rows_pad - rows), (0, 0))) for q in q_parts]
-
-  # Per-request scalars: pool slot, window start, live columns (the window may not overrun T).
-  live = jnp.minimum(prefix_len + q_len, cache_len)
-  req = jnp.stack([slots, prefix_len, live], axis=1).astype(jnp.int32)
-  # Per-row metadata: prefix cut (prefix_len for real rows, 0 for padded rows) and packed bits.
-  words = window_mask_bits(visibility, valid)  # [B, Q, W]
-  num_words = words.shape[-1]
-  cut = jnp.where(valid, prefix_len[:, None], 0).astype(jnp.int32)  # [B, Q]
-  meta = jnp.concatenate([cut[..., None], words], axis=-1)  # [B, Q, 1 + W]
-  meta = jnp.repeat(meta, heads_per_group, axis=1)  # [B, rows, 1 + W]
-  meta = jnp.repeat(meta, num_groups, axis=0)  # [BG, rows, 1 + W] (bg = b * G + g)
-  meta = jnp.pad(meta, ((0, 0), (0, rows_pad - rows), (0, 0)))
-  meta = meta.reshape(bg_count, n_rt, rt_rows, 1 + num_words).transpose(0, 1, 3, 2)
+  # A TMA box may overhang the array's end (zero fill) but not exceed its size, and the tiled
+  # copy wants whole 8-row tiles: pad only then (never for Kimi's 8 heads once Q * 8 >= Rt).
+  rows_in = max(rt_rows, _round_up(rows, 8))
+  if rows_in != rows:
+    q_parts = [jnp.pad(q, ((0, 0), (0, rows_in - rows), (0, 0))) for q in q_parts]
+  meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
+                      heads_per_group=heads_per_group, num_groups=num_groups, n_rt=n_rt,
+                      rows_per_tile=rt_rows)
+  num_words = meta.shape[2] - 2
 
   transforms = _transforms(pl_.swizzle)
   stages = pl_.num_stages
@@ -392,45 +458,79 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
                                            transforms=transforms),
       tuple(plgpu.SMEM((rt_rows, d), jnp.bfloat16, transforms=transforms) for d in key_dims),
       plgpu.SMEM((1 + num_words, rt_rows), jnp.int32),
-      plgpu.SMEM((pl_.compute_wgs, BLOCK_KV, rt_rows), jnp.bfloat16, transforms=transforms),
+      plgpu.SMEM((2, rt_rows, BLOCK_KV), jnp.bfloat16, transforms=transforms),  # P, 2 buffers
+      plgpu.SMEM((3, rt_rows), jnp.float32),  # rescale factors (2 buffers), final 1 / l
       plgpu.Barrier(num_arrivals=len(key_dims) + (0 if shared_value else 1),
-                    num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=len(key_dims) + 1),
+                    num_barriers=stages),  # loaded
+      plgpu.Barrier(num_arrivals=pl_.value_wgs, num_barriers=stages),  # consumed
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # p_ready
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # p_free
+      plgpu.Barrier(num_arrivals=len(key_dims) + 1),  # q_barrier
+      plgpu.Barrier(num_arrivals=1),  # done
   ]
   out_type = (
-      jax.ShapeDtypeStruct((bg_count, n_rt, pl_.num_parts, value_dim, pl_.rows_stored),
+      jax.ShapeDtypeStruct((bg_count, n_rt, pl_.num_splits, value_dim, pl_.rows_stored),
                            jnp.dtype(pl_.partial_dtype)),
-      jax.ShapeDtypeStruct((bg_count, n_rt, pl_.num_parts, rt_rows), jnp.float32),
+      jax.ShapeDtypeStruct((bg_count, n_rt, pl_.num_splits, rt_rows), jnp.float32),
   )
   body = functools.partial(
       _kernel, plan=pl_, num_key_parts=len(key_dims), shared_value=shared_value,
-      num_groups=num_groups, num_words=num_words, q_len=q_len, heads_per_group=heads_per_group,
-      cache_len=cache_len, scale=float(scale), interpreted=interpret is not None)
+      num_groups=num_groups, num_words=num_words, cache_len=cache_len, scale=float(scale),
+      interpreted=interpret is not None)
   kernel = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bg_count, pl_.num_splits, n_rt), grid_names=("bg", "split", "rt"),
-      num_threads=pl_.compute_wgs + 1, thread_name="wg",
+      num_threads=pl_.value_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
       interpret=interpret)
-  operands = [req, meta, *q_parts, *key_pools] + ([] if shared_value else [value_pool])
+  operands = [meta, *q_parts, *key_pools] + ([] if shared_value else [value_pool])
   o_part, lse_part = kernel(*operands)
   return _merge(o_part, lse_part, pl_, rows)
 
 
+def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, heads_per_group,
+                 num_groups, n_rt, rows_per_tile):
+  """The kernel's per-row-tile metadata, int32 [BG, n_rt, 2 + W, Rt] (one XLA fusion).
+
+  Row 0: prefix cut per query row (``prefix_len`` for real rows, 0 for padded ones); rows 1..W:
+  the packed window bits (``window_mask_bits``); row 1 + W: pool slot, window start and live
+  columns ``min(prefix_len + Q, T)`` of the request (the rest zero). Query row r of tile t is
+  ``q = (t * Rt + r) // heads_per_group``; rows past ``Q * heads_per_group`` see nothing.
+  """
+  batch = valid.shape[0]
+  words = window_mask_bits(visibility, valid)  # [B, Q, W]
+  num_words = words.shape[-1]
+  cut = jnp.where(valid, prefix_len[:, None], 0).astype(jnp.int32)  # [B, Q]
+  per_q = jnp.concatenate([cut[:, None, :], jnp.swapaxes(words, 1, 2)], axis=1)  # [B, 1 + W, Q]
+  rows = q_len * heads_per_group
+  per_row = jnp.broadcast_to(per_q[..., None], per_q.shape + (heads_per_group,))
+  per_row = per_row.reshape(batch, 1 + num_words, rows)
+  per_row = jnp.pad(per_row, ((0, 0), (0, 0), (0, n_rt * rows_per_tile - rows)))
+  per_row = per_row.reshape(batch, 1 + num_words, n_rt, rows_per_tile).transpose(0, 2, 1, 3)
+  live = jnp.minimum(prefix_len + q_len, cache_len)
+  req = jnp.stack([slots, prefix_len, live], axis=1).astype(jnp.int32)  # [B, 3]
+  req = jnp.pad(req, ((0, 0), (0, rows_per_tile - 3)))
+  req = jnp.broadcast_to(req[:, None, None, :], (batch, n_rt, 1, rows_per_tile))
+  meta = jnp.concatenate([per_row, req], axis=2)  # [B, n_rt, 2 + W, Rt]
+  return jnp.repeat(meta, num_groups, axis=0)  # [BG, ...] (bg = b * G + g)
+
+
 def _merge(o_part, lse_part, pl_: Plan, rows: int):
-  """Log-sum-exp merge of the per-(split, warpgroup) partials.
+  """Log-sum-exp merge of the per-split partials (XLA).
+
+  (A single-pass variadic reduction carrying (max, weight sum, weighted sum) was tried: on the
+  H200 XLA ran it 2-3x slower than these two passes, e.g. 41 us instead of ~13 us at 44 splits.)
 
   Args:
-    o_part: [BG, n_rt, parts, Dv, rows_stored] normalised partial outputs (transposed).
-    lse_part: float32 [BG, n_rt, parts, Rt] base-2 log-sum-exp (-inf for an empty part).
+    o_part: [BG, n_rt, splits, Dv, rows_stored] normalised partial outputs (transposed).
+    lse_part: float32 [BG, n_rt, splits, Rt] base-2 log-sum-exp (-inf for an empty split).
   Returns:
     float32 [BG, rows, Dv].
   """
   lse = lse_part[..., :pl_.rows_stored]
   top = jnp.max(lse, axis=2, keepdims=True)
-  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))  # [BG, n_rt, parts, rs]
+  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))  # [BG, n_rt, splits, rs]
   # Written as a broadcast-multiply-reduce (not an einsum) so XLA fuses it into one reduction.
   total = jnp.sum(weight[:, :, :, None, :] * o_part.astype(jnp.float32), axis=2)  # [BG, n_rt, Dv, rs]
   out = total / jnp.sum(weight, axis=2)[:, :, None, :]
@@ -479,7 +579,8 @@ def _check_float(name, **arrays):
 
 
 def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, *,
-                       scale, interpret=None, num_splits=None, partial_dtype="float32"):
+                       scale, interpret=None, num_splits=None, partial_dtype="float32",
+                       rows_per_tile=None):
   """Absorbed-MLA tree attention over one layer's latent cache pool (Mosaic GPU kernel).
 
   Same contract as ``reference.mla_tree_attention``.
@@ -492,6 +593,7 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     interpret: None on the GPU; ``plgpu.InterpretGPUParams(...)`` runs the kernel on the CPU.
     num_splits: force the KV split count (tests, tuning); default from the SM count.
     partial_dtype: dtype of the per-split partial outputs ("float32" or "bfloat16").
+    rows_per_tile: force the row tile (tests, tuning); default from ``plan``.
   Returns:
     float32 [B, Q, N, R].
   """
@@ -517,20 +619,21 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
   out = _attend([q_lat, q_rp], [c_kv_p[:, :, None], k_pe_p[:, :, None]], None,
                 slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                 scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
-                interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype)
+                interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
+                rows_per_tile=rows_per_tile)
   return out[..., :latent].reshape(batch, q_len, heads, latent)
 
 
 def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, interpret=None,
-                       num_splits=None, partial_dtype="float32"):
+                       num_splits=None, partial_dtype="float32", rows_per_tile=None):
   """Grouped/multi-head tree attention over one layer's K/V pool (Mosaic GPU kernel).
 
   Same contract as ``reference.mha_tree_attention``.
 
   Args:
     q: [B, Q, N, D]; k, v: [S, T, G, D] with N a multiple of G.
-    slots, prefix_len, visibility, valid, scale, interpret, num_splits, partial_dtype: as in
-      ``mla_tree_attention``.
+    slots, prefix_len, visibility, valid, scale, interpret, num_splits, partial_dtype,
+      rows_per_tile: as in ``mla_tree_attention``.
   Returns:
     float32 [B, Q, N, D].
   """
@@ -555,6 +658,6 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   out = _attend([qg], [k_p], v_p, slots.astype(jnp.int32), prefix_len.astype(jnp.int32),
                 visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
                 num_groups=groups, interpret=interpret, num_splits=num_splits,
-                partial_dtype=partial_dtype)
+                partial_dtype=partial_dtype, rows_per_tile=rows_per_tile)
   out = out[..., :dim].reshape(batch, groups, q_len, rep, dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dim)

@@ -104,9 +104,9 @@ def assert_matches(got, want, valid, atol=ATOL):
 def test_mla_matches_reference_on_random_trees(q_len):
   # Cache lengths 203 + Q: rarely a multiple of the 64-column tile or of 8 (the kernel pads the
   # pool then); three splits so that each request's columns cross split and tile borders at
-  # different places.
+  # different places. Latent 128: two value warpgroups, as at Kimi's width (P^T handed over).
   rng = np.random.default_rng(q_len)
-  got, want, valid = run_mla(rng, batch=2, q_len=q_len, heads=2, latent=64, rope=32,
+  got, want, valid = run_mla(rng, batch=2, q_len=q_len, heads=2, latent=128, rope=32,
                              cache_len=203 + q_len, num_splits=3)
   assert_matches(got, want, valid)
 
@@ -176,19 +176,32 @@ def test_window_mask_bits_unpack_to_window_mask():
 
 
 def test_plan_table():
-  # Kimi (R=512): 32-row tiles hold O^T in 128 registers per thread; 8 heads x 17 nodes -> 5 tiles.
+  # Kimi (R=512): two value warpgroups hold O^T of a 48-row tile (96 registers per thread each);
+  # 48 rows fit shared memory beside two 73.7 KB KV stages, so 8 heads x 17 nodes = 136 rows
+  # take 3 tiles (the fewest), and 72 rows (Q=9) take 2 of 40.
   kimi = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
                  shared_value=True, cache_len=32768)
-  assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.swizzle) == (32, 5, 64)
-  assert kimi.num_stages == 2 and kimi.num_splits * 5 >= 100
+  assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.value_wgs) == (48, 3, 2)
+  assert kimi.swizzle == 128 and kimi.num_stages == 2 and kimi.num_splits * 3 >= 100
+  nine = ta.plan(q_len=9, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+                 shared_value=True, cache_len=32768)
+  assert (nine.rows_per_tile, nine.num_row_tiles) == (40, 2)
+  # Batch 8 with long trees: several waves of splits rather than one split per request.
+  long_trees = ta.plan(q_len=33, heads_per_group=8, num_work=8, key_dims=(512, 64),
+                       value_dim=512, shared_value=True, cache_len=131072)
+  assert long_trees.num_splits > 1
   # One node with 8 heads: one tile, and only the 8 live rows of O^T are written.
   decode = ta.plan(q_len=1, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
                    shared_value=True, cache_len=32768)
   assert (decode.num_row_tiles, decode.rows_stored) == (1, 8)
-  # The demo model (R=128): wider tiles fit, and more pipeline stages.
+  # The demo model (R=128): wider tiles fit (390 rows in 3 of 136), and more pipeline stages.
   demo = ta.plan(q_len=65, heads_per_group=6, num_work=1, key_dims=(128, 32), value_dim=128,
                  shared_value=True, cache_len=4096)
-  assert demo.rows_per_tile == 64 and demo.num_stages == 4
+  assert (demo.rows_per_tile, demo.num_row_tiles, demo.num_stages) == (136, 3, 4)
+  # Head width 64 (the drafter's MHA): Dv / 2 is not a whole wgmma tile, so one value warpgroup.
+  mha = ta.plan(q_len=17, heads_per_group=4, num_work=2, key_dims=(64,), value_dim=64,
+                shared_value=False, cache_len=4096)
+  assert mha.value_wgs == 1
 
 
 def test_bad_inputs_raise_clear_errors():
