@@ -32,10 +32,13 @@ Dimensions need not be multiples of the tiles: tiles past an edge are zero-fille
 copy engine on load and clipped on store (interpret mode models both). Layout limits are checked
 up front with clear errors (feature sizes multiples of 16, INT4 inputs multiples of 32).
 
-Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8): bf16
-runs at 78-85% of the touched experts' read roofline at 384 experts for T = 1..544; INT4 at
-38-52% (the per-group dequantisation and K = 32 MMAs, not memory, limit it). With one touched
-expert (the 48-expert share at T = 1) too few programs run to fill the GPU: no split-K yet.
+Measured on the H200 (``benchmarks/results/bench_moe.md`` and ``tune_moe.md``, one K2.6 layer,
+random top-8, 16 calls in one executable): bf16 runs at 73-79% of the touched experts' read
+roofline for T = 17..136 (62% at T = 1 with 384 experts); INT4 at 43-52% (the per-group
+dequantisation and K = 32 MMAs, not memory, limit it). At small T the plain-jnp work list and
+row gathers (18-61 us per call) and too few programs for one touched expert bound the time;
+splitting K over idle programs was tried and did not pay (``tune_moe.md``). Each row's result
+depends only on its own input (fixed tiles, K in a fixed order), whatever the other rows.
 """
 
 import dataclasses
