@@ -198,8 +198,11 @@ def _search_policy(root_tokens, start, ids, logprobs, budget, max_depth, n_keep,
     return root_only_tree(root_tokens, start, budget)
   search = functools.partial(_layered_search, budget=budget, n_keep=n_keep, n_child=n_child,
                              n_pool=n_pool)
-  level, rank, parents, valid = jax.vmap(search)(
-      jnp.asarray(logprobs, jnp.float32), _max_depth(max_depth, batch, n_levels))
+  # Scores must not grow along a path, or a deep node can outrank its ancestors and the chosen
+  # set stops being prefix-closed. Log-probabilities are <= 0, but rounding (a bf16 log_softmax,
+  # an epsilon floor) can lift the top one just above: such values count as 0.
+  logprobs = jnp.minimum(jnp.asarray(logprobs, jnp.float32), 0.0)
+  level, rank, parents, valid = jax.vmap(search)(logprobs, _max_depth(max_depth, batch, n_levels))
   tokens = jnp.asarray(ids, jnp.int32)[jnp.arange(batch)[:, None], level, rank]
   return _assemble(root_tokens, start, tokens, parents, valid)
 
@@ -207,6 +210,8 @@ def _search_policy(root_tokens, start, ids, logprobs, budget, max_depth, n_keep,
 @register_policy("ddtree")
 def ddtree(root_tokens, start, ids, logprobs, budget, max_depth=None):
   """DDTree (DESIGN 1.2): the ``budget`` best prefixes by cumulative log-prob, best-first order.
+
+  Log-probs above 0 count as 0 (see ``_search_policy``).
 
   Computed on device with static shapes: top-N prefixes per depth, each extended by its
   top-min(N, k) tokens, then the global top N. Requires k >= budget. Rows come out in the heap's
@@ -257,7 +262,7 @@ def ddtree_heap_reference(logprobs_row, budget, max_depth=None):
   Returns:
     list of rank-path tuples (one rank per depth) in emission order.
   """
-  lp = np.asarray(logprobs_row, np.float32)
+  lp = np.minimum(np.asarray(logprobs_row, np.float32), np.float32(0))  # as ``_search_policy``
   n_levels, k = lp.shape
   cap = n_levels if max_depth is None else min(int(max_depth), n_levels)
   heap = []

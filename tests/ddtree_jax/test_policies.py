@@ -95,6 +95,28 @@ def test_ddtree_matches_heap_reference(budget):
     assert len(ref) == (budget if caps[b] > 0 else 0)
 
 
+@pytest.mark.parametrize("policy", ["ddtree", "beam"])
+def test_log_probs_just_above_zero_keep_the_tree_prefix_closed(policy):
+  """A confident drafter's top log-prob can round just above 0 (bf16 log_softmax, an epsilon
+  floor). Scores then grow with depth; before clamping, the device search picked the deepest
+  chain nodes without their ancestors (seen as a never-accepted exact oracle)."""
+  rng = np.random.default_rng(4)
+  budget = 8
+  lp = np.stack([_logprobs(rng, "peaked") for _ in range(2)])
+  lp[:, :, 0] = np.float32(1e-6)  # every top candidate "certain", just above 0
+  ids = _ids(rng, 2)
+  start = np.array([3, 11], np.int32)
+  tree = P.get_policy(policy)(jnp.asarray(ids[:, 0, 0]), jnp.asarray(start), jnp.asarray(ids),
+                              jnp.asarray(lp), budget=budget)
+  _check_structure(tree, start, budget)
+  # The certain chain comes first: depth 1..budget along rank 0.
+  np.testing.assert_array_equal(np.asarray(tree.depth)[:, 1:budget + 1], np.tile(np.arange(1, budget + 1), (2, 1)))
+  if policy == "ddtree":
+    for b in range(2):
+      ref = P.ddtree_heap_reference(lp[b], budget)
+      assert ref == [(0,) * d for d in range(1, budget + 1)]
+
+
 def test_ddtree_ties_follow_depth_then_rank_order():
   """Hand-checked order on exact ties: score, then shallower first, then lexicographic ranks."""
   lp = np.full((3, 8), -9.0, np.float32)
