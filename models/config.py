@@ -1,8 +1,11 @@
 """Kimi K2.6 (DeepSeek-V3 architecture) text-decoder configuration."""
 
+import copy
 import dataclasses
 import math
 from typing import Any, Mapping
+
+from models import int4
 
 
 class ConfigError(ValueError):
@@ -64,6 +67,9 @@ class KimiConfig:
   # Implementations of the two hot pieces (the Pallas kernels replace them on the GPU).
   attention_impl: str = "xla"
   moe_impl: str = "xla"
+  # Routed experts stored INT4 group-32 (K2.6 as released, ``models/int4.py``) instead of
+  # param_dtype: the Pallas kernel reads them packed; the XLA path dequantises them per call.
+  experts_int4: bool = False
   # Token ids the serving stack needs (Kimi's: [BOS]=163584, [EOS]=163585, <|im_end|>=163586).
   bos_token_id: int = 163584
   eos_token_id: int = 163585
@@ -149,6 +155,10 @@ class KimiConfig:
       raise ConfigError(f"KimiConfig.attention_impl={self.attention_impl!r}: expected 'xla' or 'pallas'")
     if self.moe_impl not in ("xla", "pallas"):
       raise ConfigError(f"KimiConfig.moe_impl={self.moe_impl!r}: expected 'xla' or 'pallas'")
+    if self.experts_int4 and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
+      raise ConfigError(
+          f"KimiConfig.experts_int4: INT4 groups of 32 need hidden_size ({self.hidden_size}) and "
+          f"moe_intermediate_size ({self.moe_intermediate_size}) to be multiples of 32")
     for name in ("bos_token_id", "eos_token_id"):
       value = getattr(self, name)
       if not 0 <= value < self.vocab_size:
@@ -232,6 +242,7 @@ class KimiConfig:
     """Reads an HF ``config.json`` dict: plain DeepseekV3/Kimi, or K2.5/K2.6's ``text_config``."""
     if not isinstance(config, Mapping):
       raise ConfigError(f"from_hf expects a config.json dict, got {type(config).__name__}")
+    outer = config  # K2.5/K2.6 keep quantization_config beside text_config
     if "text_config" in config:
       config = config["text_config"]
       if not isinstance(config, Mapping):
@@ -266,11 +277,13 @@ class KimiConfig:
         fields[name] = config[hf_name]
     if isinstance(fields.get("eos_token_id"), list):
       fields["eos_token_id"] = fields["eos_token_id"][0]
-    if config.get("quantization_config"):
-      method = config["quantization_config"].get("quant_method", "?")
-      raise ConfigError(
-          f"config.json has quantization_config ({method}): quantised checkpoints (K2's FP8 block "
-          "scales, K2.6's INT4 pack-quantized experts) are not supported by this loader yet")
+    quantization = config.get("quantization_config") or outer.get("quantization_config")
+    if quantization:
+      try:
+        int4.check_quantization_config(quantization)
+      except ValueError as err:
+        raise ConfigError(f"config.json: {err}") from None
+      fields["experts_int4"] = True
     scoring = config.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
       raise ConfigError(f"config.json scoring_func={scoring!r}: only 'sigmoid' (DeepSeek-V3/Kimi) is supported")
@@ -316,10 +329,12 @@ class KimiConfig:
             "mscale_all_dim": self.rope_mscale_all_dim,
         },
     }
-    skip = {"dtype", "param_dtype", "attention_impl", "moe_impl", "router_bias_init_std"}
+    skip = {"dtype", "param_dtype", "attention_impl", "moe_impl", "router_bias_init_std", "experts_int4"}
     for f in dataclasses.fields(self):
       if f.name.startswith("rope_") and f.name != "rope_theta":
         continue
       if f.name not in skip:
         out[f.name] = getattr(self, f.name)
+    if self.experts_int4:
+      out["quantization_config"] = copy.deepcopy(int4.COMPRESSED_TENSORS_CONFIG)
     return out

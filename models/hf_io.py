@@ -2,7 +2,10 @@
 
 HF Linear weights are ``[out, in]``; ours (``nnx.Linear.kernel``) are ``[in, out]``. Routed experts
 are stacked ``[E, in, out]`` here and one tensor per expert there. Layers are stacked (dense,
-then MoE) here and numbered ``model.layers.{i}`` there.
+then MoE) here and numbered ``model.layers.{i}`` there. INT4 experts (``cfg.experts_int4``) are
+``weight_packed`` / ``weight_scale`` / ``weight_shape`` per expert there (compressed-tensors, as
+K2.6 ships them) and ``int4.Int4Matrix`` stacks here; a model with dense experts loads an INT4
+checkpoint by dequantising it.
 """
 
 from typing import Callable, Iterator, Mapping
@@ -12,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import int4
 from models.config import KimiConfig
-from models.kimi import KimiModel, RouterBias
+from models.kimi import CHECKPOINT_VARIABLES, KimiModel
 
 _ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 _ATTN_NORMS = ("q_a_layernorm", "kv_a_layernorm")
@@ -62,8 +66,9 @@ def hf_names(cfg: KimiConfig) -> list[str]:
   for layer in range(cfg.num_hidden_layers):
     names += [entry[0] for entry in _layer_entries(cfg, layer)]
     if layer >= cfg.first_k_dense_replace:
-      names += [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-                for e in range(cfg.n_routed_experts) for proj, _ in _EXPERT_STACKS]
+      suffixes = ("weight_packed", "weight_scale", "weight_shape") if cfg.experts_int4 else ("weight",)
+      names += [f"model.layers.{layer}.mlp.experts.{e}.{proj}.{suffix}"
+                for e in range(cfg.n_routed_experts) for proj, _ in _EXPERT_STACKS for suffix in suffixes]
   names.append("model.norm.weight")
   if not cfg.tie_word_embeddings:
     names.append("lm_head.weight")
@@ -73,7 +78,7 @@ def hf_names(cfg: KimiConfig) -> list[str]:
 def iter_hf_tensors(model: KimiModel) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (hf_name, numpy array in HF layout), one tensor at a time (bounded host memory)."""
   cfg = model.cfg
-  state = nnx.to_pure_dict(nnx.state(model, (nnx.Param, RouterBias)))
+  state = nnx.to_pure_dict(nnx.state(model, CHECKPOINT_VARIABLES))
   yield "model.embed_tokens.weight", np.asarray(state["embed_tokens"]["embedding"])
   for layer in range(cfg.num_hidden_layers):
     stack, index = _stack_of(cfg, layer)
@@ -82,9 +87,18 @@ def iter_hf_tensors(model: KimiModel) -> Iterator[tuple[str, np.ndarray]]:
       yield name, value.T if transpose else value
     if stack == "moe_layers":
       for proj, ours in _EXPERT_STACKS:
-        stacked = state[stack]["mlp"][ours][index]
-        for e in range(cfg.n_routed_experts):
-          yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", np.asarray(stacked[e]).T
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if cfg.experts_int4:
+          m = int4.Int4Matrix(state[stack]["mlp"][ours + "_q"][index], state[stack]["mlp"][ours + "_scale"][index])
+          packed, scale = int4.int4_to_compressed_tensors(m)
+          for e in range(cfg.n_routed_experts):
+            yield f"{prefix}.{e}.{proj}.weight_packed", packed[e]
+            yield f"{prefix}.{e}.{proj}.weight_scale", scale[e]
+            yield f"{prefix}.{e}.{proj}.weight_shape", np.array([m.out_features, m.in_features], np.int64)
+        else:
+          stacked = state[stack]["mlp"][ours][index]
+          for e in range(cfg.n_routed_experts):
+            yield f"{prefix}.{e}.{proj}.weight", np.asarray(stacked[e]).T
   yield "model.norm.weight", np.asarray(state["norm"]["weight"])
   if not cfg.tie_word_embeddings:
     yield "lm_head.weight", np.asarray(state["lm_head"]["kernel"]).T
@@ -126,6 +140,34 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
     dtype = jnp.float32 if path[-1] == "e_score_correction_bias" else param_dtype
     parent[path[-1]] = jnp.asarray(value, dtype=dtype)
 
+  def read_int4_expert(layer: int, e: int, proj: str, out_features: int, in_features: int):
+    """One expert's compressed-tensors tensors, checked -> ``Int4Matrix`` [1, out, in]."""
+    name = f"model.layers.{layer}.mlp.experts.{e}.{proj}."
+    tensors = {}
+    for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+      try:
+        tensors[suffix] = np.asarray(fetch(prefix + name + suffix))
+      except KeyError:
+        raise KeyError(f"checkpoint lacks tensor {prefix + name + suffix!r}") from None
+    shape = tuple(int(v) for v in tensors["weight_shape"].reshape(-1))
+    if shape != (out_features, in_features):
+      raise ValueError(f"tensor {prefix + name}weight_shape is {list(shape)}, expected "
+                       f"[{out_features}, {in_features}]")
+    for suffix, want in (("weight_packed", (out_features, in_features // 8)),
+                         ("weight_scale", (out_features, in_features // int4.GROUP_SIZE))):
+      if tensors[suffix].shape != want:
+        raise ValueError(f"tensor {prefix + name + suffix!r} has shape {tensors[suffix].shape}, expected {want}")
+    return int4.int4_from_compressed_tensors(tensors["weight_packed"], tensors["weight_scale"])
+
+  def has_tensor(name):
+    if isinstance(get, Mapping):
+      return prefix + name in get
+    try:
+      fetch(prefix + name)
+      return True
+    except KeyError:
+      return False
+
   emb = target["embed_tokens"]["embedding"]
   put(("embed_tokens", "embedding"), read("model.embed_tokens.weight", emb.shape, False))
   put(("norm", "weight"), read("model.norm.weight", target["norm"]["weight"].shape, False))
@@ -142,11 +184,26 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
               for i in range(count)]
       put((stack,) + path, np.stack(rows))
     if stack == "moe_layers":
+      in_out = {"gate_proj": (cfg.hidden_size, cfg.moe_intermediate_size),
+                "up_proj": (cfg.hidden_size, cfg.moe_intermediate_size),
+                "down_proj": (cfg.moe_intermediate_size, cfg.hidden_size)}
+      packed = has_tensor(f"model.layers.{first}.mlp.experts.0.gate_proj.weight_packed")
       for proj, ours in _EXPERT_STACKS:
-        per_expert_shape = target[stack]["mlp"][ours].shape[2:]
-        put((stack, "mlp", ours), np.stack([
-            np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", per_expert_shape, True)
-                      for e in range(cfg.n_routed_experts)]) for i in range(count)]))
+        k_in, n_out = in_out[proj]
+        if cfg.experts_int4 or packed:
+          layers = [[read_int4_expert(first + i, e, proj, n_out, k_in) for e in range(cfg.n_routed_experts)]
+                    for i in range(count)]
+          q = jnp.stack([jnp.concatenate([m.q for m in row]) for row in layers])  # [L, E, out, in]
+          scale = jnp.stack([jnp.concatenate([m.scale for m in row]) for row in layers])  # [L, E, in/32, out]
+          if cfg.experts_int4:
+            _get(target, (stack, "mlp"))[ours + "_q"] = q
+            _get(target, (stack, "mlp"))[ours + "_scale"] = scale
+          else:  # a dense-expert model from an INT4 checkpoint: the format's bf16 weights
+            put((stack, "mlp", ours), jax.vmap(lambda qq, ss: int4.dequantize_int4(int4.Int4Matrix(qq, ss)))(q, scale))
+        else:
+          put((stack, "mlp", ours), np.stack([
+              np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", (k_in, n_out), True)
+                        for e in range(cfg.n_routed_experts)]) for i in range(count)]))
   state = abstract_state
   nnx.replace_by_pure_dict(state, target)
   return nnx.merge(graphdef, state)
@@ -169,6 +226,6 @@ def detect_prefix(names) -> str:
 
 def tree_equal(a: KimiModel, b: KimiModel) -> bool:
   """Exact equality of two models' parameters (tests and round trips)."""
-  sa = jax.tree.leaves(nnx.state(a, (nnx.Param, RouterBias)))
-  sb = jax.tree.leaves(nnx.state(b, (nnx.Param, RouterBias)))
+  sa = jax.tree.leaves(nnx.state(a, CHECKPOINT_VARIABLES))
+  sb = jax.tree.leaves(nnx.state(b, CHECKPOINT_VARIABLES))
   return len(sa) == len(sb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(sa, sb))

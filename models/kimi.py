@@ -23,12 +23,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import cache as cache_lib
+from models import int4
 from models.config import KimiConfig
 from pallas_kernels import reference
 
 
 class RouterBias(nnx.Variable):
   """``e_score_correction_bias``: updated by load balancing, never by gradients."""
+
+
+class QuantizedWeight(nnx.Variable):
+  """INT4 routed-expert values and their scales (``cfg.experts_int4``): loaded, never trained."""
+
+
+# Every variable a checkpoint holds.
+CHECKPOINT_VARIABLES = (nnx.Param, RouterBias, QuantizedWeight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,12 +228,13 @@ def _gpu_interpret_forced() -> bool:
   return flag is not None and flag.value is not None
 
 
-def routed_experts_pallas(x_sorted, group_sizes, w_gate, w_up, w_down):
+def routed_experts_pallas(x_sorted, group_sizes, experts):
   """``routed_experts`` through the Mosaic GPU grouped-matmul kernel (``pallas_kernels/moe.py``).
 
-  Same contract; reads only the touched experts' weights. GPU only (or under
-  ``plgpu.force_gpu_interpret_mode``, for tests), bf16 activations (the kernel raises a clear
-  error otherwise).
+  Same contract, with ``experts`` an ``int4.Int4Experts`` (read packed) or an
+  ``int4.Bf16Experts`` of [E, in, out] weights; reads only the touched experts' weights. GPU only
+  (or under ``plgpu.force_gpu_interpret_mode``, for tests), bf16 activations (the kernel raises a
+  clear error otherwise).
   """
   if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
     raise RuntimeError(
@@ -232,7 +242,8 @@ def routed_experts_pallas(x_sorted, group_sizes, w_gate, w_up, w_down):
         f"{jax.default_backend()!r}; use moe_impl='xla' here")
   from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
 
-  experts = moe.Bf16Experts(*(w.astype(x_sorted.dtype) for w in (w_gate, w_up, w_down)))
+  if not isinstance(experts, int4.Int4Experts):
+    experts = int4.Bf16Experts(*(w.astype(x_sorted.dtype) for w in experts))
   return moe.moe_experts(x_sorted, group_sizes, experts)
 
 
@@ -264,11 +275,29 @@ class MoE(nnx.Module):
     self.gate = nnx.Param(init(rngs.params(), (h, e), cfg.param_dtype))  # router kernel [H, E]
     self.e_score_correction_bias = RouterBias(
         cfg.router_bias_init_std * jax.random.normal(rngs.params(), (e,), jnp.float32))
-    self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
-    self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
-    self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), cfg.param_dtype))
+    if cfg.experts_int4:
+      # [E, out, in] int4 values and [E, in / 32, out] bf16 scales (``int4.Int4Matrix``) of the
+      # quantised initialisation.
+      gate, up, down = (int4.quantize_int4(init(rngs.params(), shape, jnp.float32))
+                        for shape in ((e, h, i), (e, h, i), (e, i, h)))
+      self.experts_gate_q, self.experts_gate_scale = QuantizedWeight(gate.q), QuantizedWeight(gate.scale)
+      self.experts_up_q, self.experts_up_scale = QuantizedWeight(up.q), QuantizedWeight(up.scale)
+      self.experts_down_q, self.experts_down_scale = QuantizedWeight(down.q), QuantizedWeight(down.scale)
+    else:
+      self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
+      self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
+      self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), cfg.param_dtype))
     self.shared_experts = (MLP(cfg, i * cfg.n_shared_experts, rngs)
                            if cfg.n_shared_experts else None)
+
+  def routed_weights(self):
+    """``int4.Int4Experts`` (``cfg.experts_int4``) or ``int4.Bf16Experts`` of [E, in, out]."""
+    if self.cfg.experts_int4:
+      return int4.Int4Experts(
+          int4.Int4Matrix(self.experts_gate_q[...], self.experts_gate_scale[...]),
+          int4.Int4Matrix(self.experts_up_q[...], self.experts_up_scale[...]),
+          int4.Int4Matrix(self.experts_down_q[...], self.experts_down_scale[...]))
+    return int4.Bf16Experts(self.experts_gate[...], self.experts_up[...], self.experts_down[...])
 
   def __call__(self, x, valid):
     """x: [B, Q, H]; valid: bool[B, Q]. Returns (out [B, Q, H], expert load int32[E])."""
@@ -283,12 +312,15 @@ class MoE(nnx.Module):
     order = jnp.argsort(flat_ids, stable=True)
     token_of_row = order // k
     group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
+    experts = self.routed_weights()
     if cfg.moe_impl == "pallas":
-      y = routed_experts_pallas(tokens[token_of_row], group_sizes, self.experts_gate[...],
-                                self.experts_up[...], self.experts_down[...])
+      y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts)
     else:
-      y = routed_experts(tokens[token_of_row], group_sizes, self.experts_gate[...],
-                         self.experts_up[...], self.experts_down[...])
+      if isinstance(experts, int4.Int4Experts):
+        # The format's weights, bf16(q * scale), as the kernel forms them; dequantised per call
+        # (the reference path: it reads every expert).
+        experts = int4.dequantize_experts(experts, jnp.bfloat16)
+      y = routed_experts(tokens[token_of_row], group_sizes, *experts)
     # Rows past sum(group_sizes) (padded tokens) are zero by ragged_dot's contract; `where` keeps
     # them zero (and finite) even for a kernel that leaves them unwritten.
     routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)
@@ -452,6 +484,7 @@ def abstract_model(cfg: KimiConfig) -> KimiModel:
 
 
 def param_count(model: KimiModel) -> int:
-  """Parameters, ``e_score_correction_bias`` included (it is a checkpoint tensor)."""
-  state = nnx.state(model, (nnx.Param, RouterBias))
+  """Stored values of the checkpoint: parameters, ``e_score_correction_bias`` and, for INT4
+  experts, their values and scales."""
+  state = nnx.state(model, CHECKPOINT_VARIABLES)
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))

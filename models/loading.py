@@ -26,7 +26,8 @@ def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], out_dir, *, dtype: 
                   max_shard_bytes: int = 15 * 2**20, prefix: str = "model") -> list[str]:
   """Writes (name, array) pairs into safetensors shards of at most ``max_shard_bytes``.
 
-  Float tensors are stored in ``dtype``; the router's correction bias stays float32 (as released).
+  Float tensors are stored in ``dtype``; the router's correction bias stays float32 and INT4
+  experts' ``weight_scale`` bf16 (as released).
   Returns the shard file names (an index json maps every tensor to its shard).
   """
   out_dir = Path(out_dir)
@@ -37,8 +38,12 @@ def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], out_dir, *, dtype: 
   for name, value in tensors:
     value = np.asarray(value)
     if np.issubdtype(value.dtype, np.floating) or value.dtype == ml_dtypes.bfloat16:
-      keep_f32 = name.endswith("e_score_correction_bias")
-      value = value.astype(np.float32 if keep_f32 else store)
+      if name.endswith("e_score_correction_bias"):
+        value = value.astype(np.float32)
+      elif name.endswith("weight_scale"):
+        value = value.astype(ml_dtypes.bfloat16)
+      else:
+        value = value.astype(store)
     if sizes[-1] and sizes[-1] + value.nbytes > max_shard_bytes:
       shards.append({})
       sizes.append(0)

@@ -301,7 +301,11 @@ def test_config_from_hf_plain_and_multimodal():
   assert KimiConfig.from_hf(wrapped) == KimiConfig.from_hf(hf)
   with pytest.raises(ConfigError, match="lacks"):
     KimiConfig.from_hf({"hidden_size": 8})
-  with pytest.raises(ConfigError, match="quantization_config \\(compressed-tensors\\)"):
+  # K2.6's INT4 experts are read (tests/models/test_int4.py); an incomplete scheme is refused.
+  with pytest.raises(ConfigError, match="format=None: expected 'pack-quantized'"):
     KimiConfig.from_hf({**hf, "quantization_config": {"quant_method": "compressed-tensors"}})
+  int4_real = KimiConfig.k2_6(experts_int4=True)
+  assert KimiConfig.from_hf({**wrapped, "quantization_config": int4_real.to_hf()["quantization_config"]},
+                            dtype=real.dtype, param_dtype=real.param_dtype) == int4_real
   with pytest.raises(ConfigError, match="only 'yarn'"):
     KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})

@@ -1,0 +1,215 @@
+"""INT4 routed experts (K2.6's compressed-tensors format) in the model, its checkpoints and the engine.
+
+Checkpoints are written in the real format (safetensors; int32 ``weight_packed``, bf16
+``weight_scale``, int64 ``weight_shape``; ``quantization_config`` beside ``text_config`` as in K2.6)
+by a packer written here from the format's definition, independent of ``models/int4.py``.
+float32 compute unless stated; the INT4 weights are exact bf16 values, so the dense model built
+from them computes the same numbers.
+"""
+
+import copy
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ddtree_jax import drafters, engine
+from ddtree_jax.near_tie import check_near_ties, greedy_reference
+from models import hf_io, int4, kimi, loading
+from models.config import ConfigError, KimiConfig
+
+CFG = KimiConfig.tiny(experts_int4=True)
+PROJ_SHAPES = {"gate_proj": ("hidden_size", "moe_intermediate_size"),
+               "up_proj": ("hidden_size", "moe_intermediate_size"),
+               "down_proj": ("moe_intermediate_size", "hidden_size")}
+
+
+def numpy_quantize_and_pack(weight_out_in):
+  """float32 [out, in] -> (packed int32 [out, in/8], scale bf16 [out, in/32], bf16(q * scale)).
+
+  Symmetric group-32: scale = max|w| / 7 (rounded to bf16), q = clip(round(w / scale), -8, 7),
+  stored as nibble q + 8, eight per int32 word, the lowest nibble first.
+  """
+  out, k = weight_out_in.shape
+  groups = weight_out_in.reshape(out, k // 32, 32)
+  scale = (np.abs(groups).max(axis=2) / 7).astype(ml_dtypes.bfloat16)
+  s = scale.astype(np.float32)
+  q = np.clip(np.round(groups / np.where(s == 0, 1, s)[..., None]), -8, 7).astype(np.int64).reshape(out, k)
+  words = np.zeros((out, k // 8), np.int64)
+  for c in range(k // 8):
+    for j in range(8):
+      words[:, c] |= (q[:, 8 * c + j] + 8) << (4 * j)
+  packed = words.astype(np.uint32).view(np.int32)
+  dequant = (q.astype(np.float32) * np.repeat(s, 32, axis=1)).astype(ml_dtypes.bfloat16).astype(np.float32)
+  return packed, scale, dequant
+
+
+def write_k26_style_checkpoint(directory, cfg_dense: KimiConfig, seed: int):
+  """A K2.6-layout checkpoint of a random tiny model: multimodal wrapper (``text_config``,
+  ``language_model.`` names), INT4 routed experts, everything else bf16.
+
+  Returns {hf expert name (``...weight``): bf16(q * scale) [out, in] float32} for checking.
+  """
+  dense = kimi.init_model(cfg_dense, seed=seed)
+  rng = np.random.default_rng(seed)
+  tensors, expected = {}, {}
+  for name, value in hf_io.iter_hf_tensors(dense):
+    value = np.asarray(value, np.float32)
+    if ".mlp.experts." in name:
+      value = value + rng.standard_normal(value.shape).astype(np.float32) * 0.05  # spread the nibbles
+      packed, scale, dequant = numpy_quantize_and_pack(value)
+      base = "language_model." + name[:-len("weight")]
+      tensors[base + "weight_packed"] = packed
+      tensors[base + "weight_scale"] = scale
+      tensors[base + "weight_shape"] = np.array(value.shape, np.int64)
+      expected[name] = dequant
+    else:
+      keep = name.endswith("e_score_correction_bias")
+      tensors["language_model." + name] = value if keep else value.astype(ml_dtypes.bfloat16)
+  save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+  text = dict(cfg_dense.to_hf(), torch_dtype="bfloat16")
+  config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
+            "quantization_config": copy.deepcopy(int4.COMPRESSED_TENSORS_CONFIG), "torch_dtype": "bfloat16"}
+  (directory / "config.json").write_text(json.dumps(config))
+  return expected
+
+
+def test_compressed_tensors_packing_matches_the_format():
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((3, 40, 64)).astype(np.float32)  # [E, out, in]
+  want = [numpy_quantize_and_pack(w[e]) for e in range(3)]
+  m = int4.int4_from_compressed_tensors(np.stack([p for p, _, _ in want]), np.stack([s for _, s, _ in want]))
+  packed, scale = int4.int4_to_compressed_tensors(m)
+  np.testing.assert_array_equal(packed, np.stack([p for p, _, _ in want]))
+  np.testing.assert_array_equal(scale.astype(np.float32), np.stack([s for _, s, _ in want]).astype(np.float32))
+  # dequantize_int4 gives [E, in, out] = the format's weights transposed.
+  np.testing.assert_array_equal(np.asarray(int4.dequantize_int4(m).astype(jnp.float32)),
+                                np.swapaxes(np.stack([d for _, _, d in want]), 1, 2))
+
+
+def test_k26_checkpoint_loads_packed_and_dequantised(tmp_path):
+  cfg_dense = KimiConfig.tiny()
+  expected = write_k26_style_checkpoint(tmp_path, cfg_dense, seed=5)
+  packed_model = loading.load_kimi(tmp_path, dtype="float32")
+  assert packed_model.cfg.experts_int4 and packed_model.cfg.param_dtype == "bfloat16"
+  mlp = packed_model.moe_layers.mlp
+  assert mlp.experts_gate_q.dtype == jnp.int4 and mlp.experts_gate_scale.dtype == jnp.bfloat16
+  weights = mlp.routed_weights()
+  for layer in range(cfg_dense.num_moe_layers):
+    for proj, m in zip(PROJ_SHAPES, (weights.gate, weights.up, weights.down)):
+      got = np.asarray(int4.dequantize_int4(int4.Int4Matrix(m.q[layer], m.scale[layer])).astype(jnp.float32))
+      hf_layer = layer + cfg_dense.first_k_dense_replace
+      for e in range(cfg_dense.n_routed_experts):
+        want = expected[f"model.layers.{hf_layer}.mlp.experts.{e}.{proj}.weight"]
+        np.testing.assert_array_equal(got[e], want.T, err_msg=f"layer {hf_layer} expert {e} {proj}")
+  # The same checkpoint into a model with dense experts: dequantised on load, same logits.
+  dense_model = loading.load_kimi(tmp_path, dtype="float32", experts_int4=False)
+  assert not dense_model.cfg.experts_int4
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg_dense.vocab_size, (2, 9)), jnp.int32)
+  valid = jnp.ones((2, 9), bool).at[1, 7:].set(False)
+  a = kimi.train_forward(packed_model, tokens, valid).logits
+  b = kimi.train_forward(dense_model, tokens, valid).logits
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.isfinite(np.asarray(a)).all()
+
+
+def test_int4_model_saves_in_the_real_format_and_round_trips(tmp_path):
+  model = kimi.init_model(CFG, seed=2)
+  loading.save_kimi(model, tmp_path, dtype="bfloat16")
+  config = json.loads((tmp_path / "config.json").read_text())
+  int4.check_quantization_config(config["quantization_config"])
+  reader = loading.ShardReader(tmp_path)
+  names = set(reader.names())
+  assert names == set(hf_io.hf_names(CFG))
+  assert not any(".mlp.experts." in n and n.endswith(".weight") for n in names)
+  name = "model.layers.1.mlp.experts.3.down_proj."
+  dtypes = {}
+  for file_name in set(reader.weight_map.values()):
+    with safe_open(str(tmp_path / file_name), framework="numpy") as f:
+      for key in f.keys():
+        if key.startswith(name):
+          dtypes[key[len(name):]] = f.get_tensor(key).dtype
+  assert dtypes == {"weight_packed": np.int32, "weight_scale": ml_dtypes.bfloat16, "weight_shape": np.int64}
+  assert reader(name + "weight_shape").tolist() == [CFG.hidden_size, CFG.moe_intermediate_size]
+  assert reader(name + "weight_packed").shape == (CFG.hidden_size, CFG.moe_intermediate_size // 8)
+  back = loading.load_kimi(tmp_path, dtype="float32")
+  assert back.cfg.experts_int4
+  mlp, mlp_back = model.moe_layers.mlp, back.moe_layers.mlp
+  for attr in ("experts_gate_q", "experts_up_q", "experts_down_q", "experts_gate_scale", "experts_down_scale"):
+    np.testing.assert_array_equal(np.asarray(getattr(mlp, attr)[...]).astype(np.float32),
+                                  np.asarray(getattr(mlp_back, attr)[...]).astype(np.float32), err_msg=attr)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"quant_method": "fp8"}, "compressed-tensors"),
+    ({"format": "naive-quantized"}, "pack-quantized"),
+    ({"weights": {"num_bits": 8}}, "num_bits=8"),
+    ({"weights": {"group_size": 128}}, "group_size=128"),
+    ({"weights": {"symmetric": False}}, "symmetric=False"),
+    ({"input_activations": {"num_bits": 8}}, "input_activations"),
+])
+def test_unsupported_quantization_configs_name_the_problem(change, message):
+  qc = copy.deepcopy(int4.COMPRESSED_TENSORS_CONFIG)
+  group = qc["config_groups"]["group_0"]
+  for key, value in change.items():
+    if key == "weights":
+      group["weights"].update(value)
+    elif key == "input_activations":
+      group[key] = value
+    else:
+      qc[key] = value
+  config = dict(KimiConfig.tiny().to_hf(), quantization_config=qc)
+  with pytest.raises(ConfigError, match=message):
+    KimiConfig.from_hf(config)
+
+
+def test_int4_needs_feature_sizes_in_groups_of_32():
+  with pytest.raises(ConfigError, match="multiples of 32"):
+    KimiConfig.tiny(experts_int4=True, moe_intermediate_size=48)
+
+
+def test_int4_model_through_the_pallas_kernel_in_interpret_mode():
+  """bf16 INT4 model: MoE through the kernel (interpreted, INT4 dequantised in the kernel) vs the
+  XLA path (dequantise, then ragged_dot). One MoE layer, so both paths route the same inputs (a
+  second one could see a near-tied routing flip from bf16 rounding and change a whole row)."""
+  cfg = KimiConfig.tiny(experts_int4=True, dtype="bfloat16", param_dtype="bfloat16", num_hidden_layers=2)
+  model_xla = kimi.init_model(cfg, seed=0)
+  model_pallas = kimi.init_model(cfg.replace(moe_impl="pallas"), seed=0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  valid = jnp.ones((2, 9), bool).at[1, 6:].set(False)
+  want = kimi.train_forward(model_xla, tokens, valid)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
+    got = kimi.train_forward(model_pallas, tokens, valid)
+  np.testing.assert_array_equal(np.asarray(got.expert_load), np.asarray(want.expert_load))
+  logits, ref = np.asarray(got.logits)[np.asarray(valid)], np.asarray(want.logits)[np.asarray(valid)]
+  assert np.isfinite(logits).all()
+  # Both paths round the expert outputs to bf16; the logits differ by that rounding only.
+  assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+  assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+def test_int4_target_speculative_decoding_is_lossless_and_accepted():
+  """ddtree over an INT4 target (float32, XLA path) equals its greedy decoding; an exact oracle
+  drafter is accepted whole (budget 8: 9 tokens a step until the end), so verification sees the
+  same argmax as greedy decoding at every drafted position."""
+  model = kimi.init_model(CFG, seed=0)
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(3, CFG.vocab_size, n).tolist() for n in (5, 17)]
+  max_new, max_len = 24, 96
+  reference = greedy_reference(model, prompts, max_new, max_len)
+  for drafter_kind in ("oracle", "noisy"):
+    continuations = drafters.greedy_continuations(prompts, reference[0])
+    drafter = drafters.OracleDrafter.make(continuations, vocab_size=CFG.vocab_size, max_len=max_len,
+                                          noise=0.35 if drafter_kind == "noisy" else 0.0)
+    dec = engine.SpeculativeDecoder(model, drafter, policy="ddtree", budgets=(8,), batch_buckets=(2,),
+                                    max_len=max_len, show_progress=False)
+    result = dec.generate(prompts, max_new, stop_token_ids=[])
+    check_near_ties(result.tokens, *reference, dtype="float32", context=f"int4 target, {drafter_kind}")
+    if drafter_kind == "oracle":  # every step takes the whole chain plus the bonus token
+      assert len(result.steps) == -(-(max_new - 1) // 9), [step.accepted for step in result.steps]
