@@ -82,6 +82,27 @@ def in_step(layer):
   return step
 
 
+def compile_cells(cells, lower, threads: int) -> dict:
+  """{cell: compiled executable, or the exception that stopped it}: one broken cell must not lose
+  the others. Lowers in this thread (Mosaic GPU lowering is Python), compiles in parallel (outside
+  the GIL)."""
+  lowered = {}
+  for cell in cells:
+    try:
+      lowered[cell] = lower(cell)
+    except Exception as err:
+      lowered[cell] = err
+
+  def compile_cell(cell):
+    try:
+      return lowered[cell] if isinstance(lowered[cell], Exception) else lowered[cell].compile()
+    except Exception as err:
+      return err
+
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    return dict(zip(cells, pool.map(compile_cell, cells)))
+
+
 def timed_in_step(step, routings_, w, repeats=5):
   """Median seconds per layer call of an ``in_step`` executable over ``routings_``."""
   xs, gs = [r[0] for r in routings_], [r[1] for r in routings_]
@@ -190,22 +211,12 @@ def run(args, out: Path):
           cells.append((e, t, "int4", variant))
   data = {(e, t): routings(t, e, seed=1000 * e + t) for e in args.experts for t in args.tokens}
 
-  # Lower in this thread (Mosaic GPU lowering is Python), compile in parallel (outside the GIL).
-  lowered = {}
-  for cell in cells:
+  def lower(cell):
     e, t, fmt, impl = cell
-    try:
-      sets = data[(e, t)]
-      lowered[cell] = in_step(IMPLS[impl]).lower([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
-    except Exception as err:  # one broken cell must not lose the others
-      lowered[cell] = err
-  def compile_cell(cell):
-    try:
-      return lowered[cell] if isinstance(lowered[cell], Exception) else lowered[cell].compile()
-    except Exception as err:
-      return err
-  with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
-    compiled = dict(zip(cells, pool.map(compile_cell, cells)))
+    sets = data[(e, t)]
+    return in_step(IMPLS[impl]).lower([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
+
+  compiled = compile_cells(cells, lower, args.compile_threads)
   print(f"compiled {len(cells)} cells in {time.perf_counter() - t_start:.0f} s", flush=True)
   if args.wait_for:  # let another job on this GPU finish before timing
     while not Path(args.wait_for).exists() and time.perf_counter() - t_start < args.wait_max_s:

@@ -12,7 +12,6 @@ chosen from it.
 """
 
 import argparse
-import concurrent.futures
 import json
 import platform
 import statistics
@@ -89,26 +88,13 @@ def run(args):
     kwargs = VARIANTS[name][1]
     return lambda x, g, w: moe.moe_experts(x, g, w, **kwargs)
 
-  lowered = {}
-  for cell in cells:
+  def lower(cell):
     e, t, name = cell
     fmt = VARIANTS[name][0] if name != "prep" else "bf16"
     sets = data[(e, t)]
-    try:
-      lowered[cell] = bench_moe.in_step(fn_of(name)).lower([s[0] for s in sets], [s[1] for s in sets],
-                                                            weights[(fmt, e)])
-    except Exception as err:
-      lowered[cell] = err
-  print(f"lowered {len(cells)} cells in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return bench_moe.in_step(fn_of(name)).lower([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
 
-  def compile_cell(cell):
-    try:
-      return lowered[cell] if isinstance(lowered[cell], Exception) else lowered[cell].compile()
-    except Exception as err:
-      return err
-
-  with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
-    compiled = dict(zip(cells, pool.map(compile_cell, cells)))
+  compiled = bench_moe.compile_cells(cells, lower, args.compile_threads)
   print(f"compiled in {time.perf_counter() - t_start:.0f} s", flush=True)
   caps = bench_moe.ceilings()
   stream = caps["stream_read_bytes_per_s"]

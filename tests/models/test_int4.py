@@ -2,7 +2,9 @@
 
 Checkpoints are written in the real format (safetensors; int32 ``weight_packed``, bf16
 ``weight_scale``, int64 ``weight_shape``; ``quantization_config`` beside ``text_config`` as in K2.6)
-by a packer written here from the format's definition, independent of ``models/int4.py``.
+by a packer written here from the format's definition, independent of ``models/int4.py``. The
+model's INT4 experts through the kernel (interpret mode) are tested in
+``tests/pallas_kernels/test_moe.py::test_model_pallas_branch_matches_xla_in_interpret_mode``.
 float32 compute unless stated; the INT4 weights are exact bf16 values, so the dense model built
 from them computes the same numbers.
 """
@@ -10,12 +12,10 @@ from them computes the same numbers.
 import copy
 import json
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -172,26 +172,6 @@ def test_unsupported_quantization_configs_name_the_problem(change, message):
 def test_int4_needs_feature_sizes_in_groups_of_32():
   with pytest.raises(ConfigError, match="multiples of 32"):
     KimiConfig.tiny(experts_int4=True, moe_intermediate_size=48)
-
-
-def test_int4_model_through_the_pallas_kernel_in_interpret_mode():
-  """bf16 INT4 model: MoE through the kernel (interpreted, INT4 dequantised in the kernel) vs the
-  XLA path (dequantise, then ragged_dot). One MoE layer, so both paths route the same inputs (a
-  second one could see a near-tied routing flip from bf16 rounding and change a whole row)."""
-  cfg = KimiConfig.tiny(experts_int4=True, dtype="bfloat16", param_dtype="bfloat16", num_hidden_layers=2)
-  model_xla = kimi.init_model(cfg, seed=0)
-  model_pallas = kimi.init_model(cfg.replace(moe_impl="pallas"), seed=0)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-  valid = jnp.ones((2, 9), bool).at[1, 6:].set(False)
-  want = kimi.train_forward(model_xla, tokens, valid)
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
-    got = kimi.train_forward(model_pallas, tokens, valid)
-  np.testing.assert_array_equal(np.asarray(got.expert_load), np.asarray(want.expert_load))
-  logits, ref = np.asarray(got.logits)[np.asarray(valid)], np.asarray(want.logits)[np.asarray(valid)]
-  assert np.isfinite(logits).all()
-  # Both paths round the expert outputs to bf16; the logits differ by that rounding only.
-  assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
-  assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
 
 
 def test_int4_target_speculative_decoding_is_lossless_and_accepted():

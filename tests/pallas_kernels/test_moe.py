@@ -263,9 +263,12 @@ def test_model_pallas_branch_off_gpu_raises_a_clear_error():
     kimi.train_forward(model, tokens, jnp.ones((1, 4), bool))
 
 
-def test_model_pallas_branch_matches_xla_in_interpret_mode():
-  """The tiny model in bf16: MoE through the kernel (interpreted) vs through ragged_dot."""
-  cfg = KimiConfig.tiny(dtype="bfloat16", param_dtype="bfloat16")
+@pytest.mark.parametrize("experts_int4", [False, True])
+def test_model_pallas_branch_matches_xla_in_interpret_mode(experts_int4):
+  """The tiny model in bf16, experts bf16 or INT4: MoE through the kernel (interpreted) vs through
+  ragged_dot (INT4 dequantised first). One MoE layer, so both paths route the same inputs (a
+  second one could see a near-tied routing flip from bf16 rounding and change a whole row)."""
+  cfg = KimiConfig.tiny(dtype="bfloat16", param_dtype="bfloat16", num_hidden_layers=2, experts_int4=experts_int4)
   model_xla = kimi.init_model(cfg, seed=0)
   model_pallas = kimi.init_model(dataclasses.replace(cfg, moe_impl="pallas"), seed=0)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
