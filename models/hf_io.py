@@ -141,7 +141,7 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
     parent[path[-1]] = jnp.asarray(value, dtype=dtype)
 
   def read_int4_expert(layer: int, e: int, proj: str, out_features: int, in_features: int):
-    """One expert's compressed-tensors tensors, checked -> ``Int4Matrix`` [1, out, in]."""
+    """One expert's compressed-tensors tensors, checked: (weight_packed, weight_scale), numpy."""
     name = f"model.layers.{layer}.mlp.experts.{e}.{proj}."
     tensors = {}
     for suffix in ("weight_packed", "weight_scale", "weight_shape"):
@@ -157,7 +157,7 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
                          ("weight_scale", (out_features, in_features // int4.GROUP_SIZE))):
       if tensors[suffix].shape != want:
         raise ValueError(f"tensor {prefix + name + suffix!r} has shape {tensors[suffix].shape}, expected {want}")
-    return int4.int4_from_compressed_tensors(tensors["weight_packed"], tensors["weight_scale"])
+    return tensors["weight_packed"], tensors["weight_scale"]
 
   def has_tensor(name):
     if isinstance(get, Mapping):
@@ -191,10 +191,13 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
       for proj, ours in _EXPERT_STACKS:
         k_in, n_out = in_out[proj]
         if cfg.experts_int4 or packed:
-          layers = [[read_int4_expert(first + i, e, proj, n_out, k_in) for e in range(cfg.n_routed_experts)]
-                    for i in range(count)]
-          q = jnp.stack([jnp.concatenate([m.q for m in row]) for row in layers])  # [L, E, out, in]
-          scale = jnp.stack([jnp.concatenate([m.scale for m in row]) for row in layers])  # [L, E, in/32, out]
+          layers = []  # one conversion per layer, of all its experts at once
+          for i in range(count):
+            packed_scale = [read_int4_expert(first + i, e, proj, n_out, k_in) for e in range(cfg.n_routed_experts)]
+            layers.append(int4.int4_from_compressed_tensors(np.stack([p for p, _ in packed_scale]),
+                                                            np.stack([s for _, s in packed_scale])))
+          q = jnp.stack([m.q for m in layers])  # [L, E, out, in]
+          scale = jnp.stack([m.scale for m in layers])  # [L, E, in/32, out]
           if cfg.experts_int4:
             _get(target, (stack, "mlp"))[ours + "_q"] = q
             _get(target, (stack, "mlp"))[ours + "_scale"] = scale

@@ -60,7 +60,8 @@ class Int4Experts:
 
 
 class Bf16Experts(NamedTuple):
-  """Routed experts in bf16, the model's layout: gate, up [E, H, I]; down [E, I, H]."""
+  """Dense routed experts in the model's layout (bf16 for the kernel; the model's param dtype
+  otherwise): gate, up [E, H, I]; down [E, I, H]."""
 
   gate: jax.Array
   up: jax.Array
