@@ -20,6 +20,9 @@ it moves 1024 of the 1152 bytes per token and is a lower bound on its cost for t
 
 Writes ``bench_tree_attention.json`` and ``.md`` (``.png`` with ``--plot``). Cells run in priority
 order (the issue's goal cells first) until ``--budget-s`` runs out; skipped cells are listed.
+``--variants`` then times kernel options and probes side by side (``variant_list``: the previous
+settings, each change alone, and probes that leave the loads, the softmax or the V^T P^T product
+out); each row's ``breakdown_us`` in the JSON lists every kernel of the call with its median time.
 """
 
 import argparse
@@ -46,6 +49,9 @@ L2_BYTES = 60e6
 SCALE = 1.0 / math.sqrt(192)
 
 
+LAST_BREAKDOWN = []  # (kernel name, median ms) of the last cupti_times call, in launch order
+
+
 def cupti_times(fn, arg_sets, warmup=1):
   """Per-call GPU time (ms, all kernels of the call summed) and the longest kernel's time."""
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
@@ -64,6 +70,8 @@ def cupti_times(fn, arg_sets, warmup=1):
   calls = [timings[i * per_call:(i + 1) * per_call] for i in range(len(arg_sets))]
   total = [sum(t for _, t in c) for c in calls]
   longest = [max(t for _, t in c) for c in calls]
+  LAST_BREAKDOWN[:] = [(calls[0][k][0], statistics.median(c[k][1] for c in calls))
+                       for k in range(per_call)]
   return statistics.median(total), statistics.median(longest), per_call
 
 
@@ -140,7 +148,8 @@ def reference_fits(heads, batch, cached, q_len):
 
 
 def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_splits=None,
-             partial_dtype="float32", check=True, rows_per_tile=None):
+             partial_dtype="float32", check=True, rows_per_tile=None, options=None,
+             time_reference=True):
   c_kv, k_pe = pool
   rotations = c_kv.shape[0] // batch
   key = jax.random.key(heads * 1000003 + batch * 101 + cached + q_len)
@@ -154,7 +163,8 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   arg_sets = [(q_lat, q_rope, c_kv, k_pe, slot_sets[i % rotations], prefix, visibility, valid)
               for i in range(calls)]
   kernel = jax.jit(functools.partial(ta.mla_tree_attention, scale=SCALE, num_splits=num_splits,
-                                     partial_dtype=partial_dtype, rows_per_tile=rows_per_tile))
+                                     partial_dtype=partial_dtype, rows_per_tile=rows_per_tile,
+                                     options=options))
   t0 = time.perf_counter()
   out = jax.block_until_ready(kernel(*arg_sets[0]))
   compile_s = time.perf_counter() - t0
@@ -162,10 +172,12 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len, calls=calls,
              time_us=total_ms * 1e3, kernel_us=kernel_ms * 1e3, kernels_per_call=kernels,
              timer=how, compile_s=round(compile_s, 2), num_splits=num_splits,
-             partial_dtype=partial_dtype, rows_per_tile_override=rows_per_tile)
+             partial_dtype=partial_dtype, rows_per_tile_override=rows_per_tile,
+             breakdown_us=[(name, round(ms * 1e3, 2)) for name, ms in LAST_BREAKDOWN])
   plan = ta.plan(q_len=q_len, heads_per_group=heads, num_work=batch, key_dims=(LATENT, ROPE),
                  value_dim=LATENT, shared_value=True, cache_len=c_kv.shape[1],
-                 num_splits=num_splits, rows_per_tile=rows_per_tile)
+                 num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
+  row["options"] = str(plan.options)
   row.update(rows_per_tile=plan.rows_per_tile, row_tiles=plan.num_row_tiles,
              splits=plan.num_splits, value_wgs=plan.value_wgs)
   row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak))
@@ -182,10 +194,11 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
     err = jnp.abs(got - want)
     row["max_abs_err"] = float(jnp.max(jnp.where(valid[:, :, None, None], err, 0)))
     row["finite"] = bool(jnp.isfinite(got).all())
-    ref_calls = max(3, min(calls, 20))
-    ref_ms, _, _, _ = timed(ref, [ref_args] * ref_calls)
-    row["reference_us"] = ref_ms * 1e3
-    row["speedup_vs_reference"] = ref_ms / total_ms
+    if time_reference:
+      ref_calls = max(3, min(calls, 20))
+      ref_ms, _, _, _ = timed(ref, [ref_args] * ref_calls)
+      row["reference_us"] = ref_ms * 1e3
+      row["speedup_vs_reference"] = ref_ms / total_ms
     del want, got, small
   if q_len == 1 and args.decode_attention and check:
     row.update(decode_attention(heads, batch, cached, c_kv, prefix))
@@ -213,15 +226,88 @@ def decode_attention(heads, batch, cached, c_kv, prefix):
             "decode_attention_note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
 
 
+def variant_list():
+  """(cell, label, run_cell keywords): kernel options and timing probes beside the default.
+
+  "before" is the previous kernel's settings (softmax sum reduced per tile, the default 2 KiB
+  reduction scratch, two-pass merge); the probes drop parts of the loop (wrong results) to show
+  what each part costs.
+  """
+  O = ta.Options
+  before = dict(options=O(lazy_sum=False, reduction_scratch=2048, merge="two_pass"))
+  goal = (8, 1, 32768, 17)
+  out = [(goal, "before", before),
+         (goal, "per-tile softmax sum", dict(options=O(lazy_sum=False))),
+         (goal, "2 KiB reduction scratch", dict(options=O(reduction_scratch=2048))),
+         (goal, "two-pass merge", dict(options=O(merge="two_pass"))),
+         (goal, "probe: no softmax", dict(options=O(probe="nosoftmax"))),
+         (goal, "probe: no loads", dict(options=O(probe="noload"))),
+         (goal, "probe: no PV", dict(options=O(probe="nopv"))),
+         ((8, 1, 131072, 65), "before", before)]
+  return out
+
+
+def run_variants(args, bandwidth, peak, results):
+  pools = {}
+  for (heads, batch, cached, q_len), label, kw in variant_list():
+    if batch not in pools:
+      pools.clear()
+      pool_len = max(args.cached) + 4096
+      rotations = max(2, min(16, math.ceil(3 * L2_BYTES / (batch * 4160 * BYTES_PER_TOKEN))))
+      rotations = max(1, min(rotations, int(24e9 // (batch * pool_len * BYTES_PER_TOKEN))))
+      pools[batch] = make_pool(batch, pool_len, rotations, jax.random.key(batch))
+    if time.perf_counter() - args.start > args.budget_s + args.variants_budget_s:
+      results["skipped_variants"].append(((heads, batch, cached, q_len), label))
+      continue
+    check = not label.startswith("probe")
+    try:
+      row = run_cell(heads, batch, cached, q_len, pools[batch], bandwidth, peak, args,
+                     check=check, time_reference=False, **kw)
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len,
+                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    row["variant"] = label
+    results["variants"].append(row)
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+           if k in ("heads", "batch", "cached", "q_len", "variant", "time_us", "kernel_us",
+                    "max_abs_err", "error", "splits", "row_tiles")}, flush=True)
+
+
+def variants_markdown(results):
+  if not results["variants"]:
+    return ""
+  lines = ["", "Variants and probes (`--variants`; probes give wrong results):", "",
+           "| heads | batch | cached | q_len | variant | tiles x splits | time us | kernel us | "
+           "roofline frac | max err |", "| --- " * 10 + "|"]
+  for r in results["variants"]:
+    if "error" in r:
+      lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
+                   f"{r['variant']} | - | failed: {r['error'][:80]} | | | |")
+      continue
+    err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
+    lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
+                 f"{r['variant']} | {r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | "
+                 f"{r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
+  base = [r for r in results["rows"] + results["variants"] if "breakdown_us" in r
+          and (r["heads"], r["batch"], r["cached"], r["q_len"]) == (8, 1, 32768, 17)]
+  for r in base[:1]:
+    lines += ["", f"Per-kernel median us of one call (h{r['heads']} b{r['batch']} "
+              f"{r['cached'] // 1024}k q{r['q_len']}, {r.get('variant', 'default')}): " +
+              ", ".join(f"{name[:40]} {us}" for name, us in r["breakdown_us"])]
+  return "\n".join(lines)
+
+
 def cells(args):
-  """All cells, the issue's goal cells (heads 8, cached >= 32k) first."""
+  """All cells: the 5x goal cell, then the issue's other goal cells (heads 8, cached >= 32k)."""
   out = []
   for heads in args.heads:
     for batch in args.batch:
       for cached in args.cached:
         for q_len in args.q_len:
           goal = heads == 8 and cached >= 32768
-          out.append((0 if goal else 1, heads, batch, cached, q_len))
+          first = (heads, batch, cached, q_len) == (8, 1, 32768, 17)  # the 5x goal cell
+          out.append((0 if first else 1 if goal else 2, heads, batch, cached, q_len))
   out.sort(key=lambda c: (c[0], c[2], -c[3], c[1], c[4]))
   return [c[1:] for c in out]
 
@@ -272,6 +358,12 @@ def markdown(results):
   if results.get("skipped"):
     lines += ["", f"Skipped for time: {len(results['skipped'])} cells: " +
               ", ".join(f"h{h}/b{b}/{c // 1024}k/q{q}" for h, b, c, q in results["skipped"])]
+  text = variants_markdown(results)
+  if text:
+    lines.append(text)
+  if results.get("skipped_variants"):
+    lines += ["", "Variants skipped for time: " + ", ".join(
+        f"h{h}/b{b}/{c // 1024}k/q{q} {label}" for (h, b, c, q), label in results["skipped_variants"])]
   lines += ["", f"Command: `{results['command']}`", ""]
   return "\n".join(lines)
 
@@ -286,18 +378,21 @@ def main():
   parser.add_argument("--min-calls", type=int, default=5)
   parser.add_argument("--max-calls", type=int, default=60)
   parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting cells after this")
-  parser.add_argument("--tune", action="store_true", help="also time forced row tiles / split counts / bf16 partials")
   parser.add_argument("--no-decode-attention", dest="decode_attention", action="store_false")
   parser.add_argument("--plot", action="store_true")
+  parser.add_argument("--variants", action="store_true",
+                      help="after the cells, time kernel options and probes side by side")
+  parser.add_argument("--variants-budget-s", type=float, default=60.0,
+                      help="stop starting variants this long after --budget-s")
   parser.add_argument("--name", default="bench_tree_attention")
   args = parser.parse_args()
-  start = time.perf_counter()
+  start = args.start = time.perf_counter()
   bandwidth, peak = ceilings()
   print(f"stream {bandwidth / 1e9:.0f} GB/s, matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__,
              "python": platform.python_version(), "stream_GBps": bandwidth / 1e9,
              "matmul_TFLOPs": peak / 1e12, "command": "python3 " + " ".join(sys.argv),
-             "rows": [], "skipped": []}
+             "rows": [], "skipped": [], "variants": [], "skipped_variants": []}
   max_cached = max(args.cached)
   pools = {}
   todo = cells(args)
@@ -326,24 +421,13 @@ def main():
                     "roofline_fraction", "reference_us", "speedup_vs_reference", "max_abs_err",
                     "decode_attention_us", "error", "splits", "row_tiles", "compile_s")}
     print(msg, flush=True)
+    if (heads, batch, cached, q_len) == (8, 1, 32768, 17):
+      print("  per-kernel us:", row.get("breakdown_us"), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
-  if args.tune and time.perf_counter() - start < args.budget_s + 60:
-    for heads, batch, cached, q_len in [(8, 1, 32768, 17)]:  # the 5x goal cell
-      if batch not in pools:
-        pools.clear()
-        pools[batch] = make_pool(batch, max_cached + 4096, 4, jax.random.key(batch))
-      for splits, dtype, rt in [(None, "float32", 32), (16, "float32", None),
-                                (66, "float32", None), (None, "bfloat16", None)]:
-        try:
-          row = run_cell(heads, batch, cached, q_len, pools[batch], bandwidth, peak, args,
-                         num_splits=splits, partial_dtype=dtype, check=False, rows_per_tile=rt)
-          print({k: row[k] for k in ("heads", "batch", "cached", "q_len", "splits", "partial_dtype",
-                                     "time_us", "kernel_us", "roofline_fraction")}, flush=True)
-        except Exception as e:  # noqa: BLE001
-          row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len, num_splits=splits,
-                     error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        results["rows"].append(row)
+  pools.clear()
+  if args.variants:
+    run_variants(args, bandwidth, peak, results)
   results["seconds"] = time.perf_counter() - start
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))

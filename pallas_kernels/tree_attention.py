@@ -36,10 +36,20 @@ Layout of the work (why it is shaped this way):
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
     one int32 array built by one XLA fusion (``_window_meta``).
+  * Softmax. The scores lie transposed, so the row max and sum reduce over the KV axis across
+    the 4 warps (through shared memory, two warpgroup barriers per round). The denominators are
+    kept as a [64, Rt] elementwise sum and reduced once after the loop, and the reduction scratch
+    holds all of a row tile's columns, so each KV tile runs one reduction in one round.
+  * What limits it (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): the serial chain
+    of warpgroup 0 per KV tile (S^T wgmma and wait, softmax, P hand-over, its half of V^T P^T and
+    wait), not the KV stream: with the loads left out it ran as slow (43.2 vs 43.7 us, before the
+    softmax changes), with the compute left out it takes 17 us (the kernel: 36 us now). Next:
+    compute S^T of tile i+1 during the softmax of tile i.
   * Tried and dropped (H200 measurements in ``benchmarks/results/bench_tree_attention.md``): a
     cluster of the row tiles of one split sharing each KV tile by TMA multicast (correct, but 1.2x
-    to 4x slower: the cluster-wide stage release puts the CTAs in lockstep), and a one-pass
-    variadic-reduction merge (slower in XLA than the two-pass merge).
+    to 4x slower: the cluster-wide stage release puts the CTAs in lockstep), a one-pass
+    variadic-reduction merge (slower in XLA than the two-pass merge), and L2 prefetch of the next
+    KV tiles (no gain at q_len 17, slower at q_len 1: the loads were not the limit).
 
 Inputs may be float32 or bfloat16; products run in bfloat16 with float32 accumulation (casting a
 float32 cache pool copies it, so bf16 pools are the fast path); the probabilities are rounded to
@@ -80,6 +90,10 @@ class Plan:
   num_stages: int
   num_splits: int
   rows_stored: int  # columns of O^T written per partial (< rows_per_tile only for one small tile)
+  # Cross-warp reduction scratch. A reduction of S^T over its KV axis stages 1 KiB per 8 columns
+  # (4 warps x 32 lanes x 2 floats) and runs as many rounds, each with two warpgroup barriers, as
+  # the scratch needs to hold them all: Rt * 128 bytes make it one round (3 at Rt=48 by default).
+  reduction_scratch: int
   # Compute warpgroups; warpgroup w owns rows [w, w + 1) * Dv / value_wgs of O^T. Warpgroup 0
   # alone computes S^T and the softmax and hands P and the rescale factors to warpgroup 1
   # through shared memory: only one warpgroup ever runs a cross-warp reduction (Mosaic GPU gives
@@ -87,6 +101,29 @@ class Plan:
   # and the O^T accumulator of a 48-row tile fits two warpgroups' registers, not one's.
   value_wgs: int
   partial_dtype: str = "float32"  # of the per-split outputs the epilogue merges
+  options: "Options" = None  # see ``Options``; as ``plan`` resolved them
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Kernel variants the benchmark measures side by side (defaults: the committed choice).
+
+  lazy_sum: keep the softmax denominators as a [64, Rt] elementwise sum and reduce it over the KV
+    axis once after the loop, so each KV tile runs one cross-warp reduction (the max), not two
+    (``plan`` turns it off where the extra registers do not fit).
+    H200, Kimi widths: 43.7 -> 39.2 us kernel at b1/32k/q17, 511 -> 423 us at b1/128k/q65.
+  merge: "pairwise" (default: each split's weight 1 / sum_t 2^(lse_t - lse_s) in one fusion, and
+    one weighted sum) or "two_pass" (max, then exponentials and sums: two more XLA kernels).
+  probe: timing probes that give wrong results: "noload" (after the first stages the memory
+    warpgroup only signals the stages, no copies: compute alone), "nocompute" (the compute
+    warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
+    no masks, reductions or exponentials), "nopv" (no V^T P^T products).
+  """
+
+  lazy_sum: bool = True
+  merge: str = "pairwise"
+  reduction_scratch: int = 0  # bytes of cross-warp reduction scratch; 0: as much as helps and fits
+  probe: str = ""
 
 
 def _round_up(x: int, m: int) -> int:
@@ -111,19 +148,21 @@ def _swizzle_for(*widths: int) -> int | None:
   return None
 
 
-def _smem_bytes(rt: int, key_width: int, value_width: int, num_words: int, num_stages: int) -> int:
+def _smem_bytes(rt: int, key_width: int, value_width: int, num_words: int, num_stages: int,
+                scratch: int = REDUCTION_SCRATCH_BYTES) -> int:
   """Shared memory of one CTA; small buffers count a whole 1 KiB (allocation alignment)."""
   small = lambda nbytes: _round_up(nbytes, 1024)
   return (num_stages * BLOCK_KV * (key_width + value_width) * 2  # KV ring
           + rt * key_width * 2  # query tile
           + 2 * BLOCK_KV * rt * 2  # P^T, double-buffered
           + small((1 + num_words) * rt * 4) + small(3 * rt * 4) + 1024  # metadata, exchange, barriers
-          + REDUCTION_SCRATCH_BYTES)
+          + scratch)
 
 
 def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim: int,
          shared_value: bool, cache_len: int, num_splits: int | None = None,
-         partial_dtype: str = "float32", rows_per_tile: int | None = None) -> Plan:
+         partial_dtype: str = "float32", rows_per_tile: int | None = None,
+         options: Options | None = None) -> Plan:
   """Block sizes for one call, chosen from the register and shared-memory budgets.
 
   Args:
@@ -136,7 +175,13 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     partial_dtype: "float32" (default) or "bfloat16" (half the epilogue's traffic, adds one bf16
       rounding of each partial output).
     rows_per_tile: force the row tile (tests, tuning); default: fewest row tiles that fit.
+    options: kernel variants (``Options``); default ``Options()``.
   """
+  options = Options() if options is None else options
+  if options.probe not in ("", "noload", "nocompute", "nosoftmax", "nopv"):
+    raise ValueError(f"unknown probe {options.probe!r}")
+  if options.merge not in ("pairwise", "two_pass"):
+    raise ValueError(f"unknown merge {options.merge!r}")
   if partial_dtype not in ("float32", "bfloat16"):
     raise ValueError(f"partial_dtype must be 'float32' or 'bfloat16', got {partial_dtype!r}")
   rows = q_len * heads_per_group
@@ -151,29 +196,38 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   # Registers of warpgroup 0 (128 threads): its O^T slice takes (Dv / value_wgs) * Rt / 128 and
   # S^T / P^T take 64 * Rt / 128 fp32 registers per thread; keep the sum under ~160.
   max_rows = (160 * 128) // (value_dim // value_wgs + BLOCK_KV)
-  options = []
+  fits = []
   for rt in range(32, min(max_rows, 256) + 1, 8):  # a wgmma N dimension: a multiple of 8
     if rows_per_tile and rt != rows_per_tile:
       continue
     for stages in (4, 3, 2):
       if _smem_bytes(rt, key_width, value_width, num_words, stages) <= SMEM_BUDGET:
-        options.append((rt, stages))
+        fits.append((rt, stages))
         break
-  if not options:
+  if not fits:
     raise ValueError(
         f"tree attention: no row tile fits beside two {BLOCK_KV}-row KV stages of width "
         f"{key_width + value_width} (value width {value_dim}, rows_per_tile={rows_per_tile})")
-  # Each row tile streams its request's KV into its SM once more, and that stream (~4 TB/s into
-  # the SMs in total, whether from HBM or L2: measured) bounds the kernel, so the fewest row tiles
-  # win; among equals the narrowest tile (least padding).
-  rt, num_stages = min(options, key=lambda o: (-(-rows // o[0]), o[0]))
+  # Each row tile streams its request's KV into its SM once more and runs the per-tile chain of
+  # warpgroup 0 over all of it (what bounds the kernel: the stream alone moved b1/32k/q17's
+  # 113 MB in 17 us, the whole kernel takes 36), so the fewest row tiles win; among equals the
+  # narrowest tile (least padding).
+  rt, num_stages = min(fits, key=lambda o: (-(-rows // o[0]), o[0]))
   num_row_tiles = -(-rows // rt)
   if num_splits is None:
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
+  # The lazy sum keeps one more [64, Rt] array live in warpgroup 0: only where registers allow
+  # (Kimi's 48-row tile: 96 + 3 x 24 per thread; not the demo model's 136-row tile).
+  lazy_sum = options.lazy_sum and (value_dim // value_wgs + 3 * BLOCK_KV) * rt // 128 <= 200
+  options = dataclasses.replace(options, lazy_sum=lazy_sum)
+  spare = SMEM_BUDGET - _smem_bytes(rt, key_width, value_width, num_words, num_stages)
+  scratch = options.reduction_scratch or max(
+      REDUCTION_SCRATCH_BYTES, min(rt * 128, (spare + REDUCTION_SCRATCH_BYTES) // 1024 * 1024))
   return Plan(rows_per_tile=rt, num_row_tiles=num_row_tiles, swizzle=swizzle,
               num_stages=num_stages, num_splits=num_splits,
-              rows_stored=rows_stored, value_wgs=value_wgs, partial_dtype=partial_dtype)
+              rows_stored=rows_stored, reduction_scratch=scratch, value_wgs=value_wgs,
+              partial_dtype=partial_dtype, options=options)
 
 
 def _choose_splits(tiles: int, ctas_per_split: int) -> int:
@@ -224,6 +278,7 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   bk = BLOCK_KV
   num_stages = plan.num_stages
   vw = plan.value_wgs
+  opts = plan.options
   dv_slice = value_smem.shape[-1] // vw
 
   bg = lax.axis_index("bg")
@@ -239,8 +294,11 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   lo = split * per_split
   hi = jnp.minimum(lo + per_split, live)
   num_tiles = jnp.maximum(lax.div(hi - lo + bk - 1, bk), 0)
-  # First tile that reaches the window (needs the packed visibility bits).
-  before = window_start - lo - bk  # tile i reaches the window iff lo + (i + 1) * bk > window_start
+  # First tile that reaches the window or the split's end: the tiles before it lie whole inside
+  # [lo, hi) and the committed prefix (nothing clamped), so only the per-row prefix cut masks them
+  # (it hides the prefix from padded rows); later tiles check the range and the packed bits.
+  # Tile i is such a tile iff lo + (i + 1) * bk > min(window_start, hi).
+  before = jnp.minimum(window_start, hi) - lo - bk
   first_window_tile = jnp.clip(jnp.where(before < 0, 0, lax.div(before, bk) + 1), 0, num_tiles)
   reduce0 = plgpu.Layout.WGMMA.reduce(0)
 
@@ -273,6 +331,15 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
     plgpu.copy_gmem_to_smem(meta_ref.at[bg, row_tile, pl.ds(0, 1 + num_words)], meta_smem,
                             q_barrier)
 
+    sources = list(key_refs) + ([] if shared_value else [value_ref])
+    destinations = list(key_smem) + ([] if shared_value else [value_smem])
+
+    def copy(i, stage):
+      _, start = tile_start(i)
+      for src, dst in zip(sources, destinations):
+        plgpu.copy_gmem_to_smem(src.at[pool_slot, pl.ds(start, bk), group], dst.at[stage],
+                                loaded.at[stage])
+
     def load(i, _):
       stage = lax.rem(i, num_stages)
 
@@ -280,13 +347,15 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       def _():
         plgpu.barrier_wait(consumed.at[stage])
 
-      _, start = tile_start(i)
-      for part in range(n):
-        plgpu.copy_gmem_to_smem(key_refs[part].at[pool_slot, pl.ds(start, bk), group],
-                                key_smem[part].at[stage], loaded.at[stage])
-      if not shared_value:
-        plgpu.copy_gmem_to_smem(value_ref.at[pool_slot, pl.ds(start, bk), group],
-                                value_smem.at[stage], loaded.at[stage])
+      if opts.probe == "noload":
+        pl.when(i < num_stages)(lambda: copy(i, stage))
+
+        @pl.when(i >= num_stages)
+        def _():
+          for _ in sources:
+            plgpu.barrier_arrive(loaded.at[stage])
+      else:
+        copy(i, stage)
 
     lax.fori_loop(0, num_tiles, load, None)
 
@@ -323,6 +392,9 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       buf = lax.rem(i, 2)
       nominal, start = tile_start(i)
       plgpu.barrier_wait(loaded.at[stage])
+      if opts.probe == "nocompute":
+        plgpu.barrier_arrive(consumed.at[stage])
+        return carry
 
       def scores(acc_ref):
         for part in range(n):
@@ -330,20 +402,29 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((bk, rt_rows), jnp.float32))
+      if opts.probe == "nosoftmax":
+        ones = plgpu.layout_cast(jnp.ones((rt_rows,), jnp.float32), reduce0)
+        return finish(i, stage, buf, acc, s, m_run, ones, m_run, l_run)
       col = kv_iota + start
-      vis = (col >= nominal) & (col < hi)
       in_prefix = col < prefix_cut
       if window:
-        vis = vis & (in_prefix | visible_window(col))
+        vis = (col >= nominal) & (col < hi) & (in_prefix | visible_window(col))
       else:
-        vis = vis & in_prefix
+        vis = in_prefix
       s = jnp.where(vis, s * (scale * LOG2E), -jnp.inf)
       m_new = jnp.maximum(m_run, s.max(axis=0))
       # Rows that have seen no column yet keep m = -inf; exponentiate against 0 so no inf - inf.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_run - m_safe)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
-      l_run = l_run * alpha + p.sum(axis=0)
+      if opts.lazy_sum:  # l_run is [bk, Rt]: summed over the KV axis after the loop
+        l_run = l_run * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+      else:
+        l_run = l_run * alpha + p.sum(axis=0)
+      return finish(i, stage, buf, acc, p, m_run, alpha, m_new, l_run)
+
+    def finish(i, stage, buf, acc, p, m_run, alpha, m_new, l_run):
+      """Hands P and the rescale factors over, then adds this warpgroup's half of V^T P^T."""
       if vw == 2:
         # Buffer ``buf`` was last read by warpgroup 1 two tiles ago.
         @pl.when(i >= 2)
@@ -356,16 +437,22 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       if vw == 2:
         plgpu.barrier_arrive(p_ready.at[buf])
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      acc = add_values(acc, stage, buf, 0)
+      if opts.probe != "nopv":
+        acc = add_values(acc, stage, buf, 0)
       plgpu.barrier_arrive(consumed.at[stage])
       return acc, m_new, l_run
 
     m_run = plgpu.layout_cast(jnp.full((rt_rows,), -jnp.inf, jnp.float32), reduce0)
-    l_run = plgpu.layout_cast(jnp.zeros((rt_rows,), jnp.float32), reduce0)
+    if opts.lazy_sum:
+      l_run = plgpu.layout_cast(jnp.zeros((bk, rt_rows), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+      l_run = plgpu.layout_cast(jnp.zeros((rt_rows,), jnp.float32), reduce0)
     carry = lax.fori_loop(0, first_window_tile, functools.partial(step, window=False),
                           (zero_acc(), m_run, l_run))
     acc, m_run, l_run = lax.fori_loop(first_window_tile, num_tiles,
                                       functools.partial(step, window=True), carry)
+    if opts.lazy_sum:
+      l_run = l_run.sum(axis=0)
     empty = l_run == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
     if vw == 2:
@@ -385,10 +472,14 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
         stage = lax.rem(i, num_stages)
         buf = lax.rem(i, 2)
         plgpu.barrier_wait(loaded.at[stage])
+        if opts.probe == "nocompute":
+          plgpu.barrier_arrive(consumed.at[stage])
+          return acc
         plgpu.barrier_wait(p_ready.at[buf])
         alpha = plgpu.load(exchange.at[buf], layout=reduce0)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-        acc = add_values(acc, stage, buf, 1)
+        if opts.probe != "nopv":
+          acc = add_values(acc, stage, buf, 1)
         plgpu.barrier_arrive(p_free.at[buf])
         plgpu.barrier_arrive(consumed.at[stage])
         return acc
@@ -419,7 +510,7 @@ def _transforms(swizzle: int):
 
 def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid, *, scale,
             q_len, heads_per_group, num_groups, interpret, num_splits=None,
-            partial_dtype="float32", rows_per_tile=None):
+            partial_dtype="float32", rows_per_tile=None, options=None):
   """Runs the kernel on folded operands and merges the partials.
 
   Args:
@@ -436,7 +527,8 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   value_dim = (key_pools[0] if value_pool is None else value_pool).shape[-1]
   pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=bg_count, key_dims=key_dims,
              value_dim=value_dim, shared_value=value_pool is None, cache_len=cache_len,
-             num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile)
+             num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile,
+             options=options)
   rt_rows, n_rt = pl_.rows_per_tile, pl_.num_row_tiles
   # A TMA box may overhang the array's end (zero fill) but not exceed its size, and the tiled
   # copy wants whole 8-row tiles: pad only then (never for Kimi's 8 heads once Q * 8 >= Rt).
@@ -482,7 +574,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       grid=(bg_count, pl_.num_splits, n_rt), grid_names=("bg", "split", "rt"),
       num_threads=pl_.value_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
+                                           reduction_scratch_bytes=pl_.reduction_scratch),
       interpret=interpret)
   operands = [meta, *q_parts, *key_pools] + ([] if shared_value else [value_pool])
   o_part, lse_part = kernel(*operands)
@@ -517,23 +609,34 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
 
 
 def _merge(o_part, lse_part, pl_: Plan, rows: int):
-  """Log-sum-exp merge of the per-split partials (XLA).
-
-  (A single-pass variadic reduction carrying (max, weight sum, weighted sum) was tried: on the
-  H200 XLA ran it 2-3x slower than these two passes, e.g. 41 us instead of ~13 us at 44 splits.)
+  """Log-sum-exp merge of the per-split partials (XLA): split weights, a weighted sum, a transpose.
 
   Args:
     o_part: [BG, n_rt, splits, Dv, rows_stored] normalised partial outputs (transposed).
     lse_part: float32 [BG, n_rt, splits, Rt] base-2 log-sum-exp (-inf for an empty split).
   Returns:
     float32 [BG, rows, Dv].
+
+  The weight of split s for a row is 2^lse_s / sum_t 2^lse_t. "pairwise" computes it as
+  1 / sum_t 2^(lse_t - lse_s) in one fusion (a term overflows to inf only when split s is
+  negligible next to split t, which gives s the weight 0 it has in float32 anyway); "two_pass"
+  subtracts the maximum first, one XLA kernel more (H200, b1/32k/q17: its four epilogue kernels
+  took 9.7 us, 1.5 to 4.8 us each). A one-pass variadic reduction carrying (max, weight sum,
+  weighted sum) was slower still (41 us at 44 splits). Storing the partials as [rows, Dv] (to
+  drop the transpose) does not lower: Mosaic GPU stores a WGMMA-layout array only with its
+  column pairs contiguous.
   """
-  lse = lse_part[..., :pl_.rows_stored]
-  top = jnp.max(lse, axis=2, keepdims=True)
-  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))  # [BG, n_rt, splits, rs]
+  lse = lse_part[..., :pl_.rows_stored]  # [BG, n_rt, splits, rs]
+  if pl_.options.merge == "two_pass":
+    top = jnp.max(lse, axis=2, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
+    weight = weight / jnp.sum(weight, axis=2, keepdims=True)
+  else:
+    lse_s, lse_t = lse[:, :, :, None, :], lse[:, :, None, :, :]
+    terms = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp2(lse_t - lse_s))  # [BG, n_rt, s, t, rs]
+    weight = jnp.where(lse == -jnp.inf, 0.0, 1.0 / jnp.sum(terms, axis=3))
   # Written as a broadcast-multiply-reduce (not an einsum) so XLA fuses it into one reduction.
-  total = jnp.sum(weight[:, :, :, None, :] * o_part.astype(jnp.float32), axis=2)  # [BG, n_rt, Dv, rs]
-  out = total / jnp.sum(weight, axis=2)[:, :, None, :]
+  out = jnp.sum(weight[:, :, :, None, :] * o_part.astype(jnp.float32), axis=2)  # [BG, n_rt, Dv, rs]
   bg_count, n_rt, dv = out.shape[:3]
   out = out.transpose(0, 1, 3, 2).reshape(bg_count, n_rt * pl_.rows_stored, dv)
   return out[:, :rows]
@@ -580,7 +683,7 @@ def _check_float(name, **arrays):
 
 def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, *,
                        scale, interpret=None, num_splits=None, partial_dtype="float32",
-                       rows_per_tile=None):
+                       rows_per_tile=None, options=None):
   """Absorbed-MLA tree attention over one layer's latent cache pool (Mosaic GPU kernel).
 
   Same contract as ``reference.mla_tree_attention``.
@@ -594,6 +697,7 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     num_splits: force the KV split count (tests, tuning); default from the SM count.
     partial_dtype: dtype of the per-split partial outputs ("float32" or "bfloat16").
     rows_per_tile: force the row tile (tests, tuning); default from ``plan``.
+    options: kernel variants (``Options``, for the benchmark); default ``Options()``.
   Returns:
     float32 [B, Q, N, R].
   """
@@ -620,12 +724,13 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
                 slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                 scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
                 interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
-                rows_per_tile=rows_per_tile)
+                rows_per_tile=rows_per_tile, options=options)
   return out[..., :latent].reshape(batch, q_len, heads, latent)
 
 
 def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, interpret=None,
-                       num_splits=None, partial_dtype="float32", rows_per_tile=None):
+                       num_splits=None, partial_dtype="float32", rows_per_tile=None,
+                       options=None):
   """Grouped/multi-head tree attention over one layer's K/V pool (Mosaic GPU kernel).
 
   Same contract as ``reference.mha_tree_attention``.
@@ -633,7 +738,7 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   Args:
     q: [B, Q, N, D]; k, v: [S, T, G, D] with N a multiple of G.
     slots, prefix_len, visibility, valid, scale, interpret, num_splits, partial_dtype,
-      rows_per_tile: as in ``mla_tree_attention``.
+      rows_per_tile, options: as in ``mla_tree_attention``.
   Returns:
     float32 [B, Q, N, D].
   """
@@ -658,6 +763,6 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   out = _attend([qg], [k_p], v_p, slots.astype(jnp.int32), prefix_len.astype(jnp.int32),
                 visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
                 num_groups=groups, interpret=interpret, num_splits=num_splits,
-                partial_dtype=partial_dtype, rows_per_tile=rows_per_tile)
+                partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options)
   out = out[..., :dim].reshape(batch, groups, q_len, rep, dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dim)

@@ -69,7 +69,7 @@ def check_no_races():
 
 
 def run_mla(rng, *, batch, q_len, heads, latent, rope, cache_len, num_splits=None, dtype=jnp.float32,
-            tree=True, partial_dtype="float32"):
+            tree=True, partial_dtype="float32", options=None):
   slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len, tree=tree)
   pool = batch + 2
   q_lat = rng.standard_normal((batch, q_len, heads, latent)).astype(np.float32)
@@ -84,7 +84,7 @@ def run_mla(rng, *, batch, q_len, heads, latent, rope, cache_len, num_splits=Non
   args = [jnp.asarray(x, dtype) for x in (q_lat, q_rope, c_kv, k_pe)]
   got = ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=scale,
                               interpret=INTERPRET, num_splits=num_splits,
-                              partial_dtype=partial_dtype)
+                              partial_dtype=partial_dtype, options=options)
   check_no_races()
   want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
                                       scale=scale)
@@ -117,6 +117,45 @@ def test_mla_any_visibility_relation_and_more_splits_than_tiles():
   got, want, valid = run_mla(rng, batch=2, q_len=7, heads=3, latent=64, rope=32, cache_len=250,
                              num_splits=8, tree=False)
   assert_matches(got, want, valid)
+
+
+@pytest.mark.parametrize("options", [ta.Options(lazy_sum=True, merge="pairwise"),
+                                     ta.Options(lazy_sum=False, merge="two_pass",
+                                                reduction_scratch=2048)])
+def test_mla_kernel_options(options):
+  # Both settings of each kernel variant the benchmark compares (the softmax sum per tile or once
+  # at the end, the two merges, one or several reduction rounds).
+  rng = np.random.default_rng(102)
+  got, want, valid = run_mla(rng, batch=2, q_len=9, heads=2, latent=128, rope=32, cache_len=250,
+                             num_splits=2, options=options)
+  assert_matches(got, want, valid)
+
+
+def test_merges_agree_with_empty_and_far_apart_splits():
+  # The pairwise merge (weights 1 / sum_t 2^(lse_t - lse_s)) against the max-first merge and a
+  # float64 merge: empty splits (-inf), a split 300 log2-units above the rest (its terms
+  # overflow to inf and the others get weight 0), and rows that no split saw (sliced off).
+  rng = np.random.default_rng(5)
+  bg, n_rt, splits, dv, rt = 2, 2, 6, 8, 16
+  o = rng.standard_normal((bg, n_rt, splits, dv, rt)).astype(np.float32)
+  lse = (rng.standard_normal((bg, n_rt, splits, rt)) * 20).astype(np.float32)
+  lse[0, 0, 1] = -np.inf
+  lse[1, 1, :, 3] = -np.inf
+  lse[1, 1, 2, 3] = 5.0  # only one split saw this row
+  lse[0, 1, 4, :] += 300.0
+  lse[:, -1, :, -4:] = -np.inf  # padding rows of the last tile
+  rows = n_rt * rt - 4
+  with np.errstate(invalid="ignore"):  # the padding rows (all -inf), sliced off below
+    weight = np.exp2(lse.astype(np.float64) - lse.max(axis=2, keepdims=True))
+  want = (weight[:, :, :, None, :] * o).sum(2) / weight.sum(2)[:, :, None, :]
+  want = want.transpose(0, 1, 3, 2).reshape(bg, n_rt * rt, dv)[:, :rows]
+  for merge in ("pairwise", "two_pass"):
+    pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                  num_splits=splits, rows_stored=rt, reduction_scratch=2048, value_wgs=1,
+                  options=ta.Options(merge=merge))
+    got = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows))
+    assert np.isfinite(got).all(), merge
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
 
 
 def test_mla_bf16_partial_outputs():
@@ -183,6 +222,9 @@ def test_plan_table():
                  shared_value=True, cache_len=32768)
   assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.value_wgs) == (48, 3, 2)
   assert kimi.swizzle == 128 and kimi.num_stages == 2 and kimi.num_splits * 3 >= 100
+  # One cross-warp reduction round per max (6 KiB of scratch still fits) and the lazy softmax sum.
+  assert kimi.reduction_scratch == 48 * 128 and kimi.options.lazy_sum
+  assert ta._smem_bytes(48, 576, 0, 1, 2, kimi.reduction_scratch) <= ta.SMEM_BUDGET
   nine = ta.plan(q_len=9, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
                  shared_value=True, cache_len=32768)
   assert (nine.rows_per_tile, nine.num_row_tiles) == (40, 2)
@@ -198,6 +240,7 @@ def test_plan_table():
   demo = ta.plan(q_len=65, heads_per_group=6, num_work=1, key_dims=(128, 32), value_dim=128,
                  shared_value=True, cache_len=4096)
   assert (demo.rows_per_tile, demo.num_row_tiles, demo.num_stages) == (136, 3, 4)
+  assert not demo.options.lazy_sum  # a third [64, 136] array would not fit warpgroup 0's registers
   # Head width 64 (the drafter's MHA): Dv / 2 is not a whole wgmma tile, so one value warpgroup.
   mha = ta.plan(q_len=17, heads_per_group=4, num_work=2, key_dims=(64,), value_dim=64,
                 shared_value=False, cache_len=4096)

@@ -5,6 +5,7 @@ caches, and the shipped demo pair decoding greedily with ``attention_impl="palla
 plain-XLA target under the near-tie rule (bf16).
 """
 
+import functools
 import json
 
 import jax
@@ -43,8 +44,8 @@ def mla_case(seed, *, batch, q_len, heads, latent, rope, cache_len, num_splits=N
   got = jax.jit(lambda *a: ta.mla_tree_attention(*a, scale=scale, num_splits=num_splits))(
       *args, slots, prefix_len, visibility, valid)
   with jax.default_matmul_precision("highest"):  # the reference in true float32, not TF32
-    want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
-                                        scale=scale)
+    want = jax.jit(functools.partial(reference.mla_tree_attention, scale=scale))(
+        *map(bf16, args), slots, prefix_len, visibility, valid)
   return np.asarray(got), np.asarray(want), np.asarray(valid)
 
 
@@ -80,8 +81,8 @@ def test_mha_matches_reference(q_len, heads, groups, dim):
   got = jax.jit(lambda *a: ta.mha_tree_attention(*a, scale=0.2))(
       q, k, v, slots, prefix_len, visibility, valid)
   with jax.default_matmul_precision("highest"):
-    want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
-                                        valid, scale=0.2)
+    want = jax.jit(functools.partial(reference.mha_tree_attention, scale=0.2))(
+        bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility, valid)
   assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
 
 
