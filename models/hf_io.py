@@ -89,7 +89,9 @@ def iter_hf_tensors(model: KimiModel) -> Iterator[tuple[str, np.ndarray]]:
       for proj, ours in _EXPERT_STACKS:
         prefix = f"model.layers.{layer}.mlp.experts"
         if cfg.experts_int4:
-          m = int4.Int4Matrix(state[stack]["mlp"][ours + "_q"][index], state[stack]["mlp"][ours + "_scale"][index])
+          in_features = cfg.hidden_size if proj != "down_proj" else cfg.moe_intermediate_size
+          m = int4.from_kernel_layout(int4.KernelInt4Matrix(
+              state[stack]["mlp"][ours + "_words"][index], state[stack]["mlp"][ours + "_scale"][index], in_features))
           packed, scale = int4.int4_to_compressed_tensors(m)
           for e in range(cfg.n_routed_experts):
             yield f"{prefix}.{e}.{proj}.weight_packed", packed[e]
@@ -194,15 +196,13 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
           layers = []  # one conversion per layer, of all its experts at once
           for i in range(count):
             packed_scale = [read_int4_expert(first + i, e, proj, n_out, k_in) for e in range(cfg.n_routed_experts)]
-            layers.append(int4.int4_from_compressed_tensors(np.stack([p for p, _ in packed_scale]),
-                                                            np.stack([s for _, s in packed_scale])))
-          q = jnp.stack([m.q for m in layers])  # [L, E, out, in]
-          scale = jnp.stack([m.scale for m in layers])  # [L, E, in/32, out]
-          if cfg.experts_int4:
-            _get(target, (stack, "mlp"))[ours + "_q"] = q
-            _get(target, (stack, "mlp"))[ours + "_scale"] = scale
+            layers.append(int4.kernel_layout_from_compressed_tensors(np.stack([p for p, _ in packed_scale]),
+                                                                     np.stack([s for _, s in packed_scale])))
+          if cfg.experts_int4:  # kept packed, in the kernel's layout
+            _get(target, (stack, "mlp"))[ours + "_words"] = jnp.stack([m.words for m in layers])  # [L, E, out, Kp/8]
+            _get(target, (stack, "mlp"))[ours + "_scale"] = jnp.stack([m.scale for m in layers])  # [L, E, out, Kp/32]
           else:  # a dense-expert model from an INT4 checkpoint: the format's bf16 weights
-            put((stack, "mlp", ours), jax.vmap(lambda qq, ss: int4.dequantize_int4(int4.Int4Matrix(qq, ss)))(q, scale))
+            put((stack, "mlp", ours), jnp.stack([int4.dequantize_int4(m) for m in layers]))
         else:
           put((stack, "mlp", ours), np.stack([
               np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", (k_in, n_out), True)

@@ -3,9 +3,12 @@
 K2-Thinking/K2.5/K2.6 ship the routed experts in compressed-tensors ``pack-quantized`` INT4:
 symmetric, group 32 along the input features, ``weight_packed`` int32 [out, in / 8] with eight
 nibbles per word (lowest first, value = nibble - 8), ``weight_scale`` bf16 [out, in / 32] and
-``weight_shape`` [out, in]. ``Int4Matrix`` keeps the values as jnp.int4 (two to a byte on the
-device) in the layout the Mosaic GPU kernel reads; this module converts both ways and checks a
-checkpoint's ``quantization_config``.
+``weight_shape`` [out, in]. ``Int4Matrix`` holds that format unpacked (jnp.int4 values, the
+plain reference); ``KernelInt4Matrix`` holds it as the model and the Mosaic GPU kernel keep it:
+the same nibbles, permuted once inside blocks of 256 input features so that the kernel turns
+each 32-bit word into wgmma operand registers with a few instructions. This module converts
+between the three (``kernel_layout_from_compressed_tensors`` goes straight from the checkpoint's
+words) and checks a checkpoint's ``quantization_config``.
 """
 
 import dataclasses
@@ -27,10 +30,8 @@ class Int4Matrix:
 
   Fields:
     q: int4 [E, N, K], values -8..7 (the checkpoint's nibble - 8), in the checkpoint's
-      [out, in] order: each output feature's inputs are contiguous, so a kernel tile [64, K_t]
-      is 64 rows of K_t / 2 bytes. XLA and Mosaic GPU both store int4 two to a byte.
-    scale: bf16 [E, K // 32, N]: group-major, so a k-tile's scales for one group are one
-      contiguous row over the tile's 64 output features.
+      [out, in] order.
+    scale: bf16 [E, K // 32, N].
   """
 
   q: jax.Array
@@ -88,8 +89,11 @@ def quantize_int4(w) -> Int4Matrix:
   return Int4Matrix(q=q, scale=scale)
 
 
-def dequantize_int4(m: Int4Matrix, dtype=jnp.bfloat16):
-  """[E, K, N] weights of an ``Int4Matrix``: q * scale in float32, rounded once to ``dtype``."""
+def dequantize_int4(m, dtype=jnp.bfloat16):
+  """[E, K, N] weights of an ``Int4Matrix`` (or ``KernelInt4Matrix``): q * scale in float32, rounded
+  once to ``dtype``."""
+  if isinstance(m, KernelInt4Matrix):
+    m = from_kernel_layout(m)
   e, n, k = m.q.shape
   scale = jnp.repeat(m.scale.astype(jnp.float32), GROUP_SIZE, axis=1)  # [E, K, N]
   return (m.q.astype(jnp.float32).transpose(0, 2, 1) * scale).astype(dtype)
@@ -183,3 +187,110 @@ def check_quantization_config(qc: Mapping[str, Any]) -> None:
   for key in ("input_activations", "output_activations"):
     if group.get(key):
       raise ValueError(f"quantization_config {key} are quantised: only weight-only INT4 is supported")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel's layout (``KernelInt4Matrix``)
+# ---------------------------------------------------------------------------------------------
+PACK_BLOCK = 256  # input features per permuted block: one 128-byte row of packed words
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelInt4Matrix:
+  """``Int4Matrix`` in the layout the Mosaic GPU kernel dequantises with few instructions.
+
+  ``words`` uint32 [E, N, Kp / 8] (Kp = K rounded up to ``PACK_BLOCK``) holds the nibbles
+  ``q + 8`` (the checkpoint's offset binary), permuted inside each block of 256 input features so
+  that one thread's 32-bit word yields four bf16 pairs that are already registers of a wgmma
+  A operand: word ``32 b + 8 t + i`` of a row holds, at bit ``16 h + 4 j``, input feature
+  ``256 b + 32 i + 8 j + 2 t + h`` (t: the thread's column pair, i: its word, j: the nibble in
+  each half, h: the half). ``scale`` bf16 [E, N, Kp / 32] (the checkpoint's [out, in / 32]
+  order, zero past K). ``in_features`` is K.
+  """
+
+  words: jax.Array
+  scale: jax.Array
+  in_features: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_experts(self) -> int:
+    return self.words.shape[0]
+
+  @property
+  def out_features(self) -> int:
+    return self.words.shape[1]
+
+
+def _block_axes(kp: int):
+  """Kp input features as (block b, word i, nibble j, thread t, half h)."""
+  return (kp // PACK_BLOCK, 8, 4, 4, 2)
+
+
+def to_kernel_layout(m: Int4Matrix) -> KernelInt4Matrix:
+  """``Int4Matrix`` -> ``KernelInt4Matrix`` (plain jnp; once, when a model is loaded)."""
+  e, n, k = m.q.shape
+  kp = -(-k // PACK_BLOCK) * PACK_BLOCK
+  nib = (m.q.astype(jnp.int32) + 8).astype(jnp.uint32)
+  nib = jnp.pad(nib, ((0, 0), (0, 0), (0, kp - k)), constant_values=8)  # q = 0 past K
+  nib = nib.reshape(e, n, *_block_axes(kp))  # [E, N, b, i, j, t, h]
+  shifts = (jnp.arange(2, dtype=jnp.uint32)[:, None] * 16 + jnp.arange(4, dtype=jnp.uint32)[None, :] * 4)  # [h, j]
+  nib = nib.transpose(0, 1, 2, 5, 3, 6, 4)  # [E, N, b, t, i, h, j]
+  words = jnp.sum(nib << shifts, axis=(-2, -1), dtype=jnp.uint32)  # disjoint bits: sum == or
+  scale = jnp.swapaxes(m.scale, 1, 2)  # [E, N, K / 32]
+  scale = jnp.pad(scale, ((0, 0), (0, 0), (0, (kp - k) // GROUP_SIZE)))
+  return KernelInt4Matrix(words=words.reshape(e, n, kp // 8), scale=scale.astype(jnp.bfloat16), in_features=k)
+
+
+def kernel_layout_from_compressed_tensors(weight_packed, weight_scale) -> KernelInt4Matrix:
+  """K2.6's ``weight_packed`` int32 [E, out, in / 8] / ``weight_scale`` bf16 [E, out, in / 32] ->
+  ``KernelInt4Matrix``, in numpy, a pure permutation of nibbles (no [E, out, in] intermediate,
+  so a real layer converts in about its own size). Both encode q + 8."""
+  packed = np.asarray(weight_packed)
+  scale = np.asarray(weight_scale)
+  if packed.ndim == 2:
+    packed, scale = packed[None], scale[None]
+  if packed.ndim != 3 or packed.dtype not in (np.int32, np.uint32):
+    raise ValueError(f"weight_packed must be int32 [E, out, in/8], got {packed.dtype}{list(packed.shape)}")
+  e, out, words = packed.shape
+  k = words * 8
+  if scale.shape != (e, out, k // GROUP_SIZE):
+    raise ValueError(f"weight_scale {list(scale.shape)} does not match weight_packed {list(packed.shape)}")
+  kp = -(-k // PACK_BLOCK) * PACK_BLOCK
+  src = np.full((e, out, kp // 8), 0x88888888, np.uint32)  # q = 0 past K
+  src[..., :words] = packed.view(np.uint32)
+  # Source word 32 b + 4 i + j holds features 8 (4 i + j) + 0..7 of block b; feature 2 t + h of
+  # it goes to bit 16 h + 4 j of destination word 32 b + 8 t + i.
+  src = src.reshape(e, out, kp // PACK_BLOCK, 8, 4)  # [.., b, i, j]
+  dst = np.zeros((e, out, kp // PACK_BLOCK, 4, 8), np.uint32)  # [.., b, t, i]
+  for t in range(4):
+    for h in range(2):
+      for j in range(4):
+        dst[..., t, :] |= ((src[..., j] >> np.uint32(4 * (2 * t + h))) & np.uint32(0xF)) << np.uint32(16 * h + 4 * j)
+  scale_p = np.zeros((e, out, kp // GROUP_SIZE), scale.dtype)
+  scale_p[..., :k // GROUP_SIZE] = scale
+  return KernelInt4Matrix(words=jnp.asarray(dst.reshape(e, out, kp // 8)),
+                          scale=jnp.asarray(scale_p, jnp.bfloat16), in_features=k)
+
+
+def kernel_experts(experts: Int4Experts) -> Int4Experts:
+  """``Int4Experts`` of ``Int4Matrix`` -> of ``KernelInt4Matrix`` (what the kernel and model hold)."""
+  return Int4Experts(*(to_kernel_layout(m) for m in (experts.gate, experts.up, experts.down)))
+
+
+def kernel_layout_values(words, in_features: int):
+  """int32 values -8..7 [..., N, K] of packed ``words`` [..., N, Kp / 8] (plain jnp)."""
+  *lead, n, w = words.shape
+  kp = w * 8
+  shifts = (jnp.arange(2, dtype=jnp.uint32)[:, None] * 16 + jnp.arange(4, dtype=jnp.uint32)[None, :] * 4)
+  nib = (words.reshape(*lead, n, kp // PACK_BLOCK, 4, 8)[..., None, None] >> shifts) & 0xF  # [.., b, t, i, h, j]
+  nd = len(lead) + 1
+  perm = tuple(range(nd + 1)) + (nd + 2, nd + 4, nd + 1, nd + 3)  # -> [.., b, i, j, t, h]
+  values = nib.transpose(perm).reshape(*lead, n, kp).astype(jnp.int32) - 8
+  return values[..., :in_features]
+
+
+def from_kernel_layout(m: KernelInt4Matrix) -> Int4Matrix:
+  q = kernel_layout_values(m.words, m.in_features).astype(jnp.int4)
+  scale = jnp.swapaxes(m.scale[..., :m.in_features // GROUP_SIZE], 1, 2)
+  return Int4Matrix(q=q, scale=scale)

@@ -276,13 +276,13 @@ class MoE(nnx.Module):
     self.e_score_correction_bias = RouterBias(
         cfg.router_bias_init_std * jax.random.normal(rngs.params(), (e,), jnp.float32))
     if cfg.experts_int4:
-      # [E, out, in] int4 values and [E, in / 32, out] bf16 scales (``int4.Int4Matrix``) of the
-      # quantised initialisation.
-      gate, up, down = (int4.quantize_int4(init(rngs.params(), shape, jnp.float32))
+      # The quantised initialisation in the kernel's packed layout (``int4.KernelInt4Matrix``):
+      # uint32 words [E, out, Kp / 8] and bf16 scales [E, out, Kp / 32].
+      gate, up, down = (int4.to_kernel_layout(int4.quantize_int4(init(rngs.params(), shape, jnp.float32)))
                         for shape in ((e, h, i), (e, h, i), (e, i, h)))
-      self.experts_gate_q, self.experts_gate_scale = QuantizedWeight(gate.q), QuantizedWeight(gate.scale)
-      self.experts_up_q, self.experts_up_scale = QuantizedWeight(up.q), QuantizedWeight(up.scale)
-      self.experts_down_q, self.experts_down_scale = QuantizedWeight(down.q), QuantizedWeight(down.scale)
+      self.experts_gate_words, self.experts_gate_scale = QuantizedWeight(gate.words), QuantizedWeight(gate.scale)
+      self.experts_up_words, self.experts_up_scale = QuantizedWeight(up.words), QuantizedWeight(up.scale)
+      self.experts_down_words, self.experts_down_scale = QuantizedWeight(down.words), QuantizedWeight(down.scale)
     else:
       self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
       self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), cfg.param_dtype))
@@ -291,12 +291,14 @@ class MoE(nnx.Module):
                            if cfg.n_shared_experts else None)
 
   def routed_weights(self):
-    """``int4.Int4Experts`` (``cfg.experts_int4``) or ``int4.Bf16Experts`` of [E, in, out]."""
+    """``int4.Int4Experts`` of ``KernelInt4Matrix`` (``cfg.experts_int4``) or ``int4.Bf16Experts``
+    of [E, in, out]."""
     if self.cfg.experts_int4:
+      h, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
       return int4.Int4Experts(
-          int4.Int4Matrix(self.experts_gate_q[...], self.experts_gate_scale[...]),
-          int4.Int4Matrix(self.experts_up_q[...], self.experts_up_scale[...]),
-          int4.Int4Matrix(self.experts_down_q[...], self.experts_down_scale[...]))
+          int4.KernelInt4Matrix(self.experts_gate_words[...], self.experts_gate_scale[...], h),
+          int4.KernelInt4Matrix(self.experts_up_words[...], self.experts_up_scale[...], h),
+          int4.KernelInt4Matrix(self.experts_down_words[...], self.experts_down_scale[...], i))
     return int4.Bf16Experts(self.experts_gate[...], self.experts_up[...], self.experts_down[...])
 
   def __call__(self, x, valid):

@@ -25,18 +25,25 @@ the experts touched. Here work follows them:
   The routing weights and the scatter-add back to tokens stay with the caller (``MoE.__call__``),
   which already owns them: they cost O(A * H) against the O(touched * H * I) weight stream.
 * **Weights**: bf16 in the model's layout (gate/up [E, H, I], down [E, I, H]; the tensor core
-  transposes the tile for free), or INT4 ``Int4Matrix`` kept packed on the device (see its
-  docstring) and dequantised in the kernel, group by group of 32 input features.
+  transposes the tile for free), or INT4 kept packed on the device in ``KernelInt4Matrix``'s
+  layout: K2.6's nibbles and bf16 scales, the nibbles permuted once (at load) inside blocks of
+  256 input features so that each 32-bit word a thread loads holds exactly four bf16 pairs of
+  its wgmma A-operand registers. A step's [64, 256] tile is dequantised by inline PTX (two
+  16-byte shared-memory loads per row, then per word three shifts, four ``lop3``, four bf16x2
+  subtractions and four multiplies by the scale: about two instructions per weight) and
+  multiplied straight from registers. Mosaic GPU's own int4 path (per-byte loads and converts,
+  then the scale) costs about twice that, and the kernel was bound by it (``tune_moe.md``).
 
 Dimensions need not be multiples of the tiles: tiles past an edge are zero-filled by the bulk
 copy engine on load and clipped on store (interpret mode models both). Layout limits are checked
-up front with clear errors (feature sizes multiples of 16, INT4 inputs multiples of 32).
+up front with clear errors (feature sizes multiples of 16, INT4 inputs multiples of 32; the
+packed layout pads K to a multiple of 256 with zero weights).
 
 Measured on the H200 (``benchmarks/results/bench_moe.md`` and ``tune_moe.md``, one K2.6 layer,
-random top-8, 16 calls in one executable): bf16 runs at 73-79% of the touched experts' read
-roofline for T = 17..136 (62% at T = 1 with 384 experts); INT4 at 43-52% (the per-group
-dequantisation and K = 32 MMAs, not memory, limit it). At small T the plain-jnp work list and
-row gathers (18-61 us per call) and too few programs for one touched expert bound the time;
+random top-8, 16 calls in one executable): bf16 runs at 76-81% of the touched experts' read
+roofline for T = 9..544 with 384 experts (68% at T = 1); INT4 at 55-61% for T = 9..136 with 384
+experts and 51-56% for the 48-expert share at T = 33..136. At small T the plain-jnp work list and
+row gathers (22-60 us per call) and too few programs for one touched expert bound the time;
 splitting K over idle programs was tried and did not pay (``tune_moe.md``). Each row's result
 depends only on its own input (fixed tiles, K in a fixed order), whatever the other rows.
 """
@@ -50,8 +57,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
+import numpy as np
 
-from models.int4 import (GROUP_SIZE, Bf16Experts, Int4Experts, Int4Matrix,  # noqa: F401 (the kernel's API)
+from models.int4 import (GROUP_SIZE, PACK_BLOCK, Bf16Experts, Int4Experts, Int4Matrix,  # noqa: F401 (the kernel's API)
+                         KernelInt4Matrix, from_kernel_layout, kernel_experts, kernel_layout_from_compressed_tensors,
+                         kernel_layout_values, to_kernel_layout,
                          dequantize_experts, dequantize_int4, int4_from_compressed_tensors,
                          quantize_experts, quantize_int4)
 
@@ -145,18 +159,14 @@ class KernelTiles:
 
 
 # From benchmarks/tune_moe.py on the H200 (benchmarks/results/tune_moe.md). bf16: depths that
-# keep >= 64 KiB of weight tiles in flight per SM with two programs per SM. INT4: 256-feature
-# steps, two deep (four programs per SM), beat four-deep and 128- or 64-feature steps at every T.
+# keep >= 64 KiB of weight tiles in flight per SM with two programs per SM. INT4: one PACK_BLOCK
+# (256 features) per step, two deep, beat 512-feature steps and three-deep pipelines.
 BF16_TILES = KernelTiles(gate_up=TileConfig(block_k=64, stages=4), down=TileConfig(block_k=128, stages=4))
 INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=2), down=TileConfig(block_k=256, stages=2))
-# Interpret mode's form: the shared-memory dequantisation buffers take room.
-INT4_SMEM_TILES = KernelTiles(gate_up=TileConfig(block_k=128, stages=4), down=TileConfig(block_k=128, stages=4))
 
 
-def default_tiles(experts, int4_dequant: str) -> KernelTiles:
-  if not isinstance(experts, Int4Experts):
-    return BF16_TILES
-  return INT4_SMEM_TILES if int4_dequant == "smem" else INT4_TILES
+def default_tiles(experts) -> KernelTiles:
+  return INT4_TILES if isinstance(experts, Int4Experts) else BF16_TILES
 
 
 def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
@@ -203,14 +213,97 @@ def _silu_mul(gate, up):
   return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def _int4_scaled_groups(q_smem, s_smem, block_k: int):
-  """Yields (group, bf16 [TILE_N, 32]) dequantised in registers, 64 input features per load."""
-  for chunk in range(block_k // 64):
-    q = q_smem[:, pl.ds(chunk * 64, 64)].astype(jnp.bfloat16)  # [TILE_N, 64]
+# Packed words of the kernel layout: 128-byte rows (one PACK_BLOCK of 256 features), 128-byte swizzle.
+WORDS_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+# Per 32-bit word (8 nibbles, two per bf16 pair): value = (128 + nibble) - 136 = q, exact in bf16, then
+# one rounding of q * scale. lop3 0xEA is (a & b) | c.
+_DEQUANT_WORD_PTX = """{{
+.reg .b32 s, t, k;
+prmt.b32 s, $5, $5, {sel};
+mov.b32 k, 0x43084308;
+lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
+sub.bf16x2 t, t, k;
+mul.rn.bf16x2 $0, t, s;
+shr.u32 t, $4, 4;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+sub.bf16x2 t, t, k;
+mul.rn.bf16x2 $1, t, s;
+shr.u32 t, $4, 8;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+sub.bf16x2 t, t, k;
+mul.rn.bf16x2 $2, t, s;
+shr.u32 t, $4, 12;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+sub.bf16x2 t, t, k;
+mul.rn.bf16x2 $3, t, s;
+}}"""
+
+
+def _dequant_words_registers(words_smem, scale_smem, block_k: int):
+  """bf16 [TILE_N, block_k] in the wgmma register layout from one step's packed words (GPU).
+
+  Each thread reads its two rows' 32-byte runs of words (two 16-byte loads per row and block,
+  bank-conflict free under the 128-byte swizzle) and its rows' scales (one 16-byte load per
+  block), and turns every word into four bf16 pairs (``_DEQUANT_WORD_PTX``): about two
+  instructions per weight, against about four for a per-byte int4 load and convert.
+  """
+  blocks = block_k // PACK_BLOCK
+  layout = mgpu_fa.WGMMA_LAYOUT
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(WORDS_TRANSFORMS), plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct((TILE_N, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+  def dequant(ctx, words_ref, scale_ref):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    c = lambda v: arith.constant(i32, v)
+    v4 = ir.VectorType.get((4,), i32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    warp = arith.shrui(tid, c(5))
+    lane = arith.andi(tid, c(31))
+    col_pair = arith.andi(lane, c(3))  # t: the thread's column pair in each 8-column tile
+    row8 = arith.shrui(lane, c(2))  # the row inside an 8-row tile
+    words_ptr = mgpu_utils.memref_ptr(words_ref)
+    scale_ptr = mgpu_utils.memref_ptr(scale_ref)
+
+    def load16(ptr, byte_offset):
+      return llvm.load(v4, mgpu_utils.getelementptr(ptr, [byte_offset], i8), alignment=16)
+
+    regs = np.empty(layout.registers_shape((TILE_N, block_k)), dtype=object)
     for half in range(2):
-      g = 2 * chunk + half
-      scale = lax.broadcast_in_dim(s_smem[g], (TILE_N, GROUP_SIZE), (0,))
-      yield g, q[:, half * GROUP_SIZE:(half + 1) * GROUP_SIZE] * scale
+      row_tile = arith.addi(arith.muli(warp, c(2)), c(half))  # (16 warp + 8 half + row8) // 8
+      row = arith.addi(arith.muli(row_tile, c(8)), row8)
+      scale_row = arith.muli(row, c(block_k // GROUP_SIZE * 2))
+      for blk in range(blocks):
+        scales = load16(scale_ptr, arith.addi(scale_row, c(blk * 16)))  # this row's 8 group scales
+        tile_base = arith.addi(arith.muli(arith.addi(arith.muli(row_tile, c(blocks)), c(blk)), c(1024)),
+                               arith.muli(row8, c(128)))
+        for chunk in range(2):
+          logical = arith.addi(arith.muli(col_pair, c(2)), c(chunk))  # 16-byte chunk of the row
+          swizzled = arith.xori(logical, row8)
+          data = load16(words_ptr, arith.addi(tile_base, arith.muli(swizzled, c(16))))
+          for w in range(4):
+            word_idx = 4 * chunk + w  # i: also the 32-feature group inside the block
+            word = vector.extract(data, dynamic_position=[], static_position=[w])
+            scale_word = vector.extract(scales, dynamic_position=[], static_position=[word_idx // 2])
+            sel = "0x1010" if word_idx % 2 == 0 else "0x3232"
+            outs = mgpu_utils.inline_ptx(_DEQUANT_WORD_PTX.format(sel=sel), word, scale_word,
+                                         result_types=[i32] * 4)
+            for j, out in enumerate(outs):
+              u = blk * 32 + 4 * word_idx + j  # 8-column tile of the [64, block_k] operand
+              regs[0, u, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(out, pair)
+    return mgpu_fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  return dequant(words_smem, scale_smem)
+
+
+def _dequant_words_jnp(words_smem, scale_smem, block_k: int):
+  """The same tile in plain jnp (interpret mode, which cannot run inline Mosaic GPU code)."""
+  values = kernel_layout_values(words_smem[...], block_k).astype(jnp.float32)  # [TILE_N, block_k]
+  scale = jnp.repeat(scale_smem[...].astype(jnp.float32), GROUP_SIZE, axis=1)
+  return (values * scale).astype(jnp.bfloat16)
 
 
 def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileConfig,
@@ -219,7 +312,7 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
 
   Args:
     x_work: bf16 [W * R, K]; work_expert: int32[W] (-1: skip the item).
-    weights: tuple of bf16 [E, K, N] (one or two of them), or of ``Int4Matrix`` [E, N, K].
+    weights: tuple of bf16 [E, K, N] (one or two of them), or of ``KernelInt4Matrix`` [E, N, K].
     fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
   Returns:
     bf16 [W * R, N]; plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps
@@ -228,10 +321,13 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
   r, bk = block_rows, cfg.block_k
   w_items = work_expert.shape[0]
   num_w = len(weights)
-  is_int4 = isinstance(weights[0], Int4Matrix)
+  is_int4 = isinstance(weights[0], KernelInt4Matrix)
   if is_int4:
-    _, n_out, k_in = weights[0].q.shape
-    flat_weights = [t for m in weights for t in (m.q, m.scale)]
+    _, n_out, _ = weights[0].words.shape
+    k_in = weights[0].in_features
+    flat_weights = [t for m in weights for t in (m.words, m.scale)]
+    if bk % PACK_BLOCK:
+      raise ValueError(f"INT4 needs block_k a multiple of {PACK_BLOCK} (the packed layout's block), got {bk}")
   else:
     _, k_in, n_out = weights[0].shape
     flat_weights = list(weights)
@@ -239,12 +335,9 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
   stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r)
   n_tiles, k_steps = pl.cdiv(n_out, TILE_N), pl.cdiv(k_in, bk)
   if is_int4:
-    # INT4 multiplies one 32-feature group at a time: the x tile's swizzle atom is one group.
-    x_atom = _swizzle_elems(k_in, GROUP_SIZE)
-    # 32-byte swizzle when K allows it (64 int4 per atom), else unswizzled 16-byte rows (one
-    # group): global memory is tiled by the atom, so K must be a multiple of it.
-    q_transforms = ((plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(32)) if k_in % 64 == 0
-                    else (plgpu.TilingTransform((8, 32)),))
+    # Over the padded K: its words and scales past K are zero, and so is x (zero-filled loads).
+    k_steps = pl.cdiv(weights[0].words.shape[2] * 8, bk)
+    x_atom = _swizzle_elems(k_in)
   else:
     x_atom = _swizzle_elems(k_in, n_out, TILE_N)
   out_atom = _swizzle_elems(n_out, TILE_N)
@@ -275,30 +368,24 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
             return count + 1
           slot = lax.rem(idx[0], 2)
           for i, acc in enumerate(accs):
-            q_smem, s_smem = smem[2 * i], smem[2 * i + 1]
+            words_smem, scale_smem = smem[2 * i], smem[2 * i + 1]
             if smem_dequant:
-              for g, a in _int4_scaled_groups(q_smem, s_smem, bk):
-                deq_smem[i].at[slot, :, pl.ds(g * GROUP_SIZE, GROUP_SIZE)][...] = a
+              deq_smem[i].at[slot][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
               plgpu.commit_smem()
               plgpu.wgmma(acc, deq_smem[i].at[slot], x_t)
-            elif int4_dequant == "registers_serial":
-              for g, a in _int4_scaled_groups(q_smem, s_smem, bk):
-                plgpu.wgmma(acc, a, x_t.at[pl.ds(g * GROUP_SIZE, GROUP_SIZE)])
-                plgpu.wgmma_wait(0)  # drain before the next group's registers are written
             else:
-              # Dequantise the whole tile first, then issue its MMAs back to back and drain once:
-              # no array is defined while they read their register operands.
-              tiles = list(_int4_scaled_groups(q_smem, s_smem, bk))
-              for g, a in tiles:
-                plgpu.wgmma(acc, a, x_t.at[pl.ds(g * GROUP_SIZE, GROUP_SIZE)])
-              plgpu.wgmma_wait(0)
+              plgpu.wgmma(acc, _dequant_words_registers(words_smem, scale_smem, bk), x_t)
+              if int4_dequant == "registers_serial":
+                plgpu.wgmma_wait(0)  # fewer live registers: the next weight's tile reuses them
+          if not smem_dequant:
+            plgpu.wgmma_wait(0)  # the register operands must outlive their MMAs
           return count + 1
 
         if is_int4:
           in_specs = []
           for _ in range(num_w):
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk), lambda k: (n, k), transforms=q_transforms))
-            in_specs.append(plgpu.BlockSpec((bk // GROUP_SIZE, TILE_N), lambda k: (k, n)))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, k), transforms=WORDS_TRANSFORMS))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, k)))
         else:
           in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
                                       delay_release=1)
@@ -350,16 +437,21 @@ def _check_inputs(x_sorted, group_sizes, experts):
     raise ValueError(f"group_sizes must be an integer vector [E], got {group_sizes.dtype}{list(group_sizes.shape)}")
   a, h = x_sorted.shape
   e = group_sizes.shape[0]
-  if isinstance(experts, Int4Experts):
+  if isinstance(experts, Int4Experts) and isinstance(experts.gate, KernelInt4Matrix):
     mats = (experts.gate, experts.up, experts.down)
     for name, m in zip(("gate", "up", "down"), mats):
-      if m.q.dtype != jnp.int4 or m.scale.dtype != jnp.bfloat16:
-        raise TypeError(f"Int4 {name}: q must be int4 and scale bfloat16, got {m.q.dtype}, {m.scale.dtype}")
-      en, n, k = m.q.shape
-      if k % GROUP_SIZE or m.scale.shape != (en, k // GROUP_SIZE, n):
-        raise ValueError(f"Int4 {name}: q {list(m.q.shape)} / scale {list(m.scale.shape)} is not "
-                         f"[E, N, K] / [E, K/{GROUP_SIZE}, N] with K a multiple of {GROUP_SIZE}")
+      if not isinstance(m, KernelInt4Matrix):
+        raise TypeError(f"Int4 {name}: mixes layouts (gate is KernelInt4Matrix, {name} is {type(m).__name__})")
+      if m.words.dtype != jnp.uint32 or m.scale.dtype != jnp.bfloat16:
+        raise TypeError(f"Int4 {name}: words must be uint32 and scale bfloat16, got {m.words.dtype}, {m.scale.dtype}")
+      en, n, words = m.words.shape
+      if words % (PACK_BLOCK // 8) or m.scale.shape != (en, n, words * 8 // GROUP_SIZE) or words * 8 < m.in_features:
+        raise ValueError(f"Int4 {name}: words {list(m.words.shape)} / scale {list(m.scale.shape)} are not "
+                         f"[E, N, Kp/8] / [E, N, Kp/32] with Kp a multiple of {PACK_BLOCK} >= K={m.in_features}")
     shapes = [(m.num_experts, m.in_features, m.out_features) for m in mats]
+  elif isinstance(experts, Int4Experts):
+    raise TypeError(f"INT4 experts must be in the kernel's layout (KernelInt4Matrix), got "
+                    f"{type(experts.gate).__name__}: convert once with models.int4.kernel_experts")
   else:
     if not isinstance(experts, (tuple, list)) or len(experts) != 3:
       raise TypeError("experts must be Bf16Experts(gate, up, down) or Int4Experts")
@@ -381,12 +473,14 @@ def _resolve_options(a: int, e: int, block_rows, int4_dequant, interpret):
   r = block_rows or default_block_rows(e, a)
   if r % MIN_BLOCK_ROWS or not MIN_BLOCK_ROWS <= r <= 128:
     raise ValueError(f"block_rows={r} must be a multiple of {MIN_BLOCK_ROWS} in [16, 128]")
-  # Register operands need the real tensor cores: interpret mode (or any non-GPU backend, e.g.
-  # under plgpu.force_gpu_interpret_mode) runs the shared-memory form.
+  # The register form is inline PTX for the real GPU; interpret mode (or any non-GPU backend, e.g.
+  # under plgpu.force_gpu_interpret_mode) runs the plain-jnp shared-memory form.
   on_gpu = interpret is None and jax.default_backend() == "gpu"
   dequant = int4_dequant or ("registers" if on_gpu else "smem")
-  if dequant not in ("registers", "registers_serial", "smem"):
-    raise ValueError(f"int4_dequant={int4_dequant!r}: expected 'registers', 'registers_serial' or 'smem'")
+  allowed = ("registers", "registers_serial") if on_gpu else ("smem",)
+  if dequant not in allowed:
+    raise ValueError(f"int4_dequant={int4_dequant!r}: expected one of {allowed} "
+                     f"({'on the GPU' if on_gpu else 'in interpret mode'})")
   return r, dequant
 
 
@@ -412,13 +506,16 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     x_sorted: bf16 [A, H] rows grouped by expert in expert order (rows past sum(group_sizes)
       are never read).
     group_sizes: int[E] rows per expert.
-    experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts``.
+    experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts`` of
+      ``KernelInt4Matrix`` (``models.int4.kernel_experts`` converts K2.6's layout once).
     block_rows: rows per work item (static; default from A / E, see ``default_block_rows``).
-    int4_dequant: "registers": the dequantised INT4 tile is the MMA's A operand straight from
-      registers, a step's MMAs issued back to back; "registers_serial": the same, draining the
-      MMA after each 32-feature group; "smem": staged through shared memory (the form interpret
-      mode can run: it models only shared-memory MMA operands). Default: "registers" on the
-      GPU, else "smem".
+      Under expert parallelism, where most of A is other devices' padding, pass
+      ``default_block_rows(E, expected local rows)``.
+    int4_dequant: "registers" (GPU default): each step's tile is dequantised by inline PTX
+      straight into the MMA's A-operand registers, every weight's MMAs issued before one drain;
+      "registers_serial": the same, draining after each weight (fewer live registers);
+      "smem": the plain-jnp form staged through shared memory (interpret mode's default: it
+      cannot run inline PTX).
     tiles: ``KernelTiles`` (static); default ``default_tiles`` (tuned on the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
   Returns:
@@ -430,7 +527,7 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
 def _expert_projections(x_work, work_expert, experts, block_rows, dequant, tiles, interpret,
                         count_tile_loads=False):
   """gate/up then down over the work layout: bf16 [W * R, H] -> bf16 [W * R, H]."""
-  tiles = tiles or default_tiles(experts, dequant)
+  tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
                 count_tile_loads=count_tile_loads)
   h = _grouped_kernel(x_work, work_expert, (experts.gate, experts.up), fuse_silu=True, cfg=tiles.gate_up,

@@ -99,11 +99,12 @@ def test_k26_checkpoint_loads_packed_and_dequantised(tmp_path):
   packed_model = loading.load_kimi(tmp_path, dtype="float32")
   assert packed_model.cfg.experts_int4 and packed_model.cfg.param_dtype == "bfloat16"
   mlp = packed_model.moe_layers.mlp
-  assert mlp.experts_gate_q.dtype == jnp.int4 and mlp.experts_gate_scale.dtype == jnp.bfloat16
+  assert mlp.experts_gate_words.dtype == jnp.uint32 and mlp.experts_gate_scale.dtype == jnp.bfloat16
   weights = mlp.routed_weights()
   for layer in range(cfg_dense.num_moe_layers):
     for proj, m in zip(PROJ_SHAPES, (weights.gate, weights.up, weights.down)):
-      got = np.asarray(int4.dequantize_int4(int4.Int4Matrix(m.q[layer], m.scale[layer])).astype(jnp.float32))
+      one_layer = int4.KernelInt4Matrix(m.words[layer], m.scale[layer], m.in_features)
+      got = np.asarray(int4.dequantize_int4(one_layer).astype(jnp.float32))
       hf_layer = layer + cfg_dense.first_k_dense_replace
       for e in range(cfg_dense.n_routed_experts):
         want = expected[f"model.layers.{hf_layer}.mlp.experts.{e}.{proj}.weight"]
@@ -141,7 +142,8 @@ def test_int4_model_saves_in_the_real_format_and_round_trips(tmp_path):
   back = loading.load_kimi(tmp_path, dtype="float32")
   assert back.cfg.experts_int4
   mlp, mlp_back = model.moe_layers.mlp, back.moe_layers.mlp
-  for attr in ("experts_gate_q", "experts_up_q", "experts_down_q", "experts_gate_scale", "experts_down_scale"):
+  for attr in ("experts_gate_words", "experts_up_words", "experts_down_words", "experts_gate_scale",
+               "experts_down_scale"):
     np.testing.assert_array_equal(np.asarray(getattr(mlp, attr)[...]).astype(np.float32),
                                   np.asarray(getattr(mlp_back, attr)[...]).astype(np.float32), err_msg=attr)
 

@@ -63,11 +63,32 @@ def random_weights(seed, num_experts=E, hidden=H, inter=I, scale=0.08):
                            for k, s in zip(keys, shapes)))
 
 
-def numpy_dequantize(m: moe.Int4Matrix) -> np.ndarray:
+def numpy_unpack_kernel_layout(m: moe.KernelInt4Matrix):
+  """(q int32 [E, N, K], scale float32 [E, N, K / 32]) of the kernel layout, by a plain loop over
+  its documented bit positions: word 32 b + 8 t + i, bit 16 h + 4 j holds feature
+  256 b + 32 i + 8 j + 2 t + h as the nibble q + 8."""
+  words = np.asarray(m.words).astype(np.int64)
+  e, n, num_words = words.shape
+  q = np.zeros((e, n, num_words * 8), np.int32)
+  for word in range(num_words):
+    b, t, i = word // 32, (word % 32) // 8, word % 8
+    for h in range(2):
+      for j in range(4):
+        q[:, :, 256 * b + 32 * i + 8 * j + 2 * t + h] = ((words[:, :, word] >> (16 * h + 4 * j)) & 0xF) - 8
+  k = m.in_features
+  assert (q[:, :, k:] == 0).all(), "padding past K must be zero weights"
+  return q[:, :, :k], np.asarray(m.scale.astype(jnp.float32))[:, :, :k // moe.GROUP_SIZE]
+
+
+def numpy_dequantize(m) -> np.ndarray:
   """[E, K, N] float32 of bf16(q * scale), written from the format's definition."""
-  q = np.swapaxes(np.asarray(m.q).astype(np.float32), 1, 2)  # [E, K, N]
-  scale = np.repeat(np.asarray(m.scale.astype(jnp.float32)), moe.GROUP_SIZE, axis=1)  # group k // 32
-  return (q * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
+  if isinstance(m, moe.KernelInt4Matrix):
+    q, scale = numpy_unpack_kernel_layout(m)  # [E, N, K], [E, N, K / 32]
+    q, scale = np.swapaxes(q, 1, 2), np.swapaxes(scale, 1, 2)
+  else:
+    q, scale = np.swapaxes(np.asarray(m.q).astype(np.int32), 1, 2), np.asarray(m.scale.astype(jnp.float32))
+  scale = np.repeat(scale, moe.GROUP_SIZE, axis=1)  # group k // 32
+  return (q.astype(np.float32) * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def reference(x_sorted, group_sizes, experts) -> np.ndarray:
@@ -83,7 +104,7 @@ def reference(x_sorted, group_sizes, experts) -> np.ndarray:
 
 
 def as_format(experts: moe.Bf16Experts, fmt: str):
-  return experts if fmt == "bf16" else moe.quantize_experts(*experts)
+  return experts if fmt == "bf16" else moe.kernel_experts(moe.quantize_experts(*experts))
 
 
 def assert_close(got, want, num_routed):
@@ -174,7 +195,7 @@ def test_only_touched_experts_are_read(fmt):
   block_rows = moe.default_block_rows(E, len(order))
   items = expected_items(sizes, block_rows)
   assert len(items) == len(touched)  # 12 rows over two experts: one item each
-  tiles = moe.INT4_SMEM_TILES if fmt == "int4" else moe.BF16_TILES  # interpret mode: INT4 via smem
+  tiles = moe.INT4_TILES if fmt == "int4" else moe.BF16_TILES
   gate_up_k, down_k = -(-H // tiles.gate_up.block_k), -(-I // tiles.down.block_k)
   for steps, n_out, k_steps in ((gate_up_steps, I, gate_up_k), (down_steps, H, down_k)):
     steps = np.asarray(steps)
@@ -217,6 +238,39 @@ def test_compressed_tensors_conversion_against_numpy_unpacker():
   np.testing.assert_array_equal(np.asarray(one.q)[0].astype(np.int32), q_want[1])
 
 
+@pytest.mark.parametrize("k", [96, 256, 544])
+def test_kernel_layout_against_numpy_unpacker(k):
+  """The kernel's permuted nibbles hold what its docstring says, padding included, and convert
+  back exactly."""
+  w = jax.random.normal(jax.random.key(k), (2, k, 40)) * 0.05
+  m = moe.quantize_int4(w)
+  km = moe.to_kernel_layout(m)
+  kp = -(-k // 256) * 256
+  assert km.words.dtype == jnp.uint32 and km.words.shape == (2, 40, kp // 8)
+  assert km.scale.dtype == jnp.bfloat16 and km.scale.shape == (2, 40, kp // 32) and km.in_features == k
+  q, scale = numpy_unpack_kernel_layout(km)
+  np.testing.assert_array_equal(q, np.asarray(m.q).astype(np.int32))
+  np.testing.assert_array_equal(scale, np.swapaxes(np.asarray(m.scale.astype(jnp.float32)), 1, 2))
+  assert (np.asarray(km.scale.astype(jnp.float32))[:, :, k // 32:] == 0).all()
+  back = moe.from_kernel_layout(km)
+  np.testing.assert_array_equal(np.asarray(back.q).astype(np.int32), np.asarray(m.q).astype(np.int32))
+  np.testing.assert_array_equal(np.asarray(moe.dequantize_int4(km).astype(jnp.float32)),
+                                np.asarray(moe.dequantize_int4(m).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("k", [96, 512])
+def test_kernel_layout_straight_from_compressed_tensors(k):
+  """Loading permutes the checkpoint's nibbles directly; it must equal unpacking then packing."""
+  rng = np.random.default_rng(k)
+  packed = rng.integers(-2**31, 2**31, (2, 24, k // 8), dtype=np.int64).astype(np.int32)
+  scale = (rng.random((2, 24, k // 32)) * 0.1 + 0.01).astype(ml_dtypes.bfloat16)
+  direct = moe.kernel_layout_from_compressed_tensors(packed, scale)
+  via = moe.to_kernel_layout(moe.int4_from_compressed_tensors(packed, scale))
+  assert direct.in_features == via.in_features == k
+  np.testing.assert_array_equal(np.asarray(direct.words), np.asarray(via.words))
+  np.testing.assert_array_equal(np.asarray(direct.scale), np.asarray(via.scale))
+
+
 def test_quantize_round_trip_error_is_half_a_step():
   w = jax.random.normal(jax.random.key(2), (2, 64, 48)) * 0.05
   m = moe.quantize_int4(w)
@@ -247,10 +301,14 @@ def test_bad_inputs_raise_clear_errors():
     moe.moe_experts(jnp.zeros((8, 200), jnp.bfloat16), sizes, odd, interpret=INTERPRET)
   with pytest.raises(ValueError, match="multiple of 32"):
     moe.quantize_int4(jnp.zeros((1, 40, 16)))
-  q = moe.quantize_experts(*experts)
+  q = moe.kernel_experts(moe.quantize_experts(*experts))
   bad = dataclasses.replace(q, up=dataclasses.replace(q.up, scale=q.up.scale.astype(jnp.float32)))
   with pytest.raises(TypeError, match="scale bfloat16"):
     moe.moe_experts(x, sizes, bad, interpret=INTERPRET)
+  with pytest.raises(TypeError, match="kernel's layout"):
+    moe.moe_experts(x, sizes, moe.quantize_experts(*experts), interpret=INTERPRET)
+  with pytest.raises(ValueError, match="int4_dequant"):
+    moe.moe_experts(x, sizes, q, int4_dequant="registers", interpret=INTERPRET)
   with pytest.raises(ValueError, match="weight_scale"):
     moe.int4_from_compressed_tensors(np.zeros((4, 8), np.int32), np.zeros((4, 3), ml_dtypes.bfloat16))
 
@@ -293,7 +351,7 @@ def gpu():
     pytest.fail("tests marked gpu need a CUDA GPU (run them on the device machine)")
 
 
-FORMATS = [("bf16", None), ("int4", "registers"), ("int4", "registers_serial"), ("int4", "smem")]
+FORMATS = [("bf16", None), ("int4", "registers"), ("int4", "registers_serial")]
 
 
 @pytest.mark.gpu
