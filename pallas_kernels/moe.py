@@ -215,28 +215,17 @@ def _silu_mul(gate, up):
 
 # Packed words of the kernel layout: 128-byte rows (one PACK_BLOCK of 256 features), 128-byte swizzle.
 WORDS_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-# Per 32-bit word (8 nibbles, two per bf16 pair): value = (128 + nibble) - 136 = q, exact in bf16, then
-# one rounding of q * scale. lop3 0xEA is (a & b) | c.
-_DEQUANT_WORD_PTX = """{{
-.reg .b32 s, t, k;
-prmt.b32 s, $5, $5, {sel};
-mov.b32 k, 0x43084308;
-lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
-sub.bf16x2 t, t, k;
-mul.rn.bf16x2 $0, t, s;
-shr.u32 t, $4, 4;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-sub.bf16x2 t, t, k;
-mul.rn.bf16x2 $1, t, s;
-shr.u32 t, $4, 8;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-sub.bf16x2 t, t, k;
-mul.rn.bf16x2 $2, t, s;
-shr.u32 t, $4, 12;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-sub.bf16x2 t, t, k;
-mul.rn.bf16x2 $3, t, s;
-}}"""
+# Per 32-bit word $4 (8 nibbles, two per bf16 pair) and scale word $5 (prmt {sel} copies the word's
+# group scale into both halves): value = (128 + nibble) - 136 = q, exact in bf16, then one rounding
+# of q * scale, into $0..$3. lop3 0xEA is (a & b) | c.
+_DEQUANT_WORD_PTX = "\n".join([
+    "{{", ".reg .b32 s, t, k;", "prmt.b32 s, $5, $5, {sel};", "mov.b32 k, 0x43084308;",
+    *(line for j in range(4) for line in (
+        *([f"shr.u32 t, $4, {4 * j};"] if j else []),  # nibble j of each half to bits 0-3 / 16-19
+        f"lop3.b32 t, {'t' if j else '$4'}, 0x000F000F, 0x43004300, 0xEA;",
+        "sub.bf16x2 t, t, k;",
+        f"mul.rn.bf16x2 ${j}, t, s;")),
+    "}}"])
 
 
 def _dequant_words_registers(words_smem, scale_smem, block_k: int):
