@@ -99,6 +99,21 @@ def dequantize_int4(m, dtype=jnp.bfloat16):
   return (m.q.astype(jnp.float32).transpose(0, 2, 1) * scale).astype(dtype)
 
 
+def _checked_compressed(weight_packed, weight_scale):
+  """numpy (packed [E, out, in / 8], scale [E, out, in / 32]), a single expert's given a leading
+  axis; raises ValueError naming what does not match."""
+  packed, scale = np.asarray(weight_packed), np.asarray(weight_scale)
+  if packed.ndim == 2:
+    packed, scale = packed[None], scale[None]
+  if packed.ndim != 3 or packed.dtype not in (np.int32, np.uint32):
+    raise ValueError(f"weight_packed must be int32 [E, out, in/8], got {packed.dtype}{list(packed.shape)}")
+  e, out, words = packed.shape
+  if scale.shape != (e, out, words * 8 // GROUP_SIZE):
+    raise ValueError(f"weight_scale {list(scale.shape)} does not match weight_packed {list(packed.shape)}: "
+                     f"expected [{e}, {out}, {words * 8 // GROUP_SIZE}]")
+  return packed, scale
+
+
 def int4_from_compressed_tensors(weight_packed, weight_scale) -> Int4Matrix:
   """Converts compressed-tensors ``pack-quantized`` INT4 (K2.6's routed experts) to ``Int4Matrix``.
 
@@ -109,16 +124,9 @@ def int4_from_compressed_tensors(weight_packed, weight_scale) -> Int4Matrix:
   Returns:
     ``Int4Matrix`` with q [E, out, in], scale [E, in / 32, out].
   """
-  packed = jnp.asarray(weight_packed)
-  scale = jnp.asarray(weight_scale)
-  if packed.ndim == 2:
-    packed, scale = packed[None], scale[None]
-  if packed.ndim != 3 or packed.dtype not in (jnp.int32, jnp.uint32):
-    raise ValueError(f"weight_packed must be int32 [E, out, in/8], got {packed.dtype}{list(packed.shape)}")
+  packed, scale = _checked_compressed(weight_packed, weight_scale)
+  packed, scale = jnp.asarray(packed), jnp.asarray(scale)
   e, out, words = packed.shape
-  if scale.shape != (e, out, words * 8 // GROUP_SIZE):
-    raise ValueError(f"weight_scale {list(scale.shape)} does not match weight_packed {list(packed.shape)}: "
-                     f"expected [{e}, {out}, {words * 8 // GROUP_SIZE}]")
   shifts = jnp.arange(8, dtype=jnp.uint32) * 4
   nibbles = (packed.astype(jnp.uint32)[..., None] >> shifts) & 0xF  # [E, out, in/8, 8], low first
   q = (nibbles.astype(jnp.int32) - 8).reshape(e, out, words * 8).astype(jnp.int4)
@@ -227,16 +235,21 @@ def _block_axes(kp: int):
   return (kp // PACK_BLOCK, 8, 4, 4, 2)
 
 
+def _nibble_shifts():
+  """uint32 [h, j]: where nibble j of half h sits in a word, 16 h + 4 j."""
+  return jnp.arange(2, dtype=jnp.uint32)[:, None] * 16 + jnp.arange(4, dtype=jnp.uint32)[None, :] * 4
+
+
 def to_kernel_layout(m: Int4Matrix) -> KernelInt4Matrix:
-  """``Int4Matrix`` -> ``KernelInt4Matrix`` (plain jnp; once, when a model is loaded)."""
+  """``Int4Matrix`` -> ``KernelInt4Matrix`` (plain jnp: quantised initialisations, tests; loading
+  permutes the checkpoint's words directly, ``kernel_layout_from_compressed_tensors``)."""
   e, n, k = m.q.shape
   kp = -(-k // PACK_BLOCK) * PACK_BLOCK
   nib = (m.q.astype(jnp.int32) + 8).astype(jnp.uint32)
   nib = jnp.pad(nib, ((0, 0), (0, 0), (0, kp - k)), constant_values=8)  # q = 0 past K
   nib = nib.reshape(e, n, *_block_axes(kp))  # [E, N, b, i, j, t, h]
-  shifts = (jnp.arange(2, dtype=jnp.uint32)[:, None] * 16 + jnp.arange(4, dtype=jnp.uint32)[None, :] * 4)  # [h, j]
   nib = nib.transpose(0, 1, 2, 5, 3, 6, 4)  # [E, N, b, t, i, h, j]
-  words = jnp.sum(nib << shifts, axis=(-2, -1), dtype=jnp.uint32)  # disjoint bits: sum == or
+  words = jnp.sum(nib << _nibble_shifts(), axis=(-2, -1), dtype=jnp.uint32)  # disjoint bits: sum == or
   scale = jnp.swapaxes(m.scale, 1, 2)  # [E, N, K / 32]
   scale = jnp.pad(scale, ((0, 0), (0, 0), (0, (kp - k) // GROUP_SIZE)))
   return KernelInt4Matrix(words=words.reshape(e, n, kp // 8), scale=scale.astype(jnp.bfloat16), in_features=k)
@@ -246,16 +259,9 @@ def kernel_layout_from_compressed_tensors(weight_packed, weight_scale) -> Kernel
   """K2.6's ``weight_packed`` int32 [E, out, in / 8] / ``weight_scale`` bf16 [E, out, in / 32] ->
   ``KernelInt4Matrix``, in numpy, a pure permutation of nibbles (no [E, out, in] intermediate,
   so a real layer converts in about its own size). Both encode q + 8."""
-  packed = np.asarray(weight_packed)
-  scale = np.asarray(weight_scale)
-  if packed.ndim == 2:
-    packed, scale = packed[None], scale[None]
-  if packed.ndim != 3 or packed.dtype not in (np.int32, np.uint32):
-    raise ValueError(f"weight_packed must be int32 [E, out, in/8], got {packed.dtype}{list(packed.shape)}")
+  packed, scale = _checked_compressed(weight_packed, weight_scale)
   e, out, words = packed.shape
   k = words * 8
-  if scale.shape != (e, out, k // GROUP_SIZE):
-    raise ValueError(f"weight_scale {list(scale.shape)} does not match weight_packed {list(packed.shape)}")
   kp = -(-k // PACK_BLOCK) * PACK_BLOCK
   src = np.full((e, out, kp // 8), 0x88888888, np.uint32)  # q = 0 past K
   src[..., :words] = packed.view(np.uint32)
@@ -282,8 +288,7 @@ def kernel_layout_values(words, in_features: int):
   """int32 values -8..7 [..., N, K] of packed ``words`` [..., N, Kp / 8] (plain jnp)."""
   *lead, n, w = words.shape
   kp = w * 8
-  shifts = (jnp.arange(2, dtype=jnp.uint32)[:, None] * 16 + jnp.arange(4, dtype=jnp.uint32)[None, :] * 4)
-  nib = (words.reshape(*lead, n, kp // PACK_BLOCK, 4, 8)[..., None, None] >> shifts) & 0xF  # [.., b, t, i, h, j]
+  nib = (words.reshape(*lead, n, kp // PACK_BLOCK, 4, 8)[..., None, None] >> _nibble_shifts()) & 0xF  # [.., b, t, i, h, j]
   nd = len(lead) + 1
   perm = tuple(range(nd + 1)) + (nd + 2, nd + 4, nd + 1, nd + 3)  # -> [.., b, i, j, t, h]
   values = nib.transpose(perm).reshape(*lead, n, kp).astype(jnp.int32) - 8
