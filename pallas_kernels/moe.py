@@ -177,7 +177,7 @@ def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, 
   else:
     weights = num_w * bk * TILE_N * 2
   per_stage = weights + block_rows * bk * 2
-  fixed = block_rows * TILE_N * 2 + (num_w * 2 * TILE_N * bk * 2 if smem_dequant else 0)
+  fixed = block_rows * TILE_N * 2 + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
   return stages * per_stage + fixed
 
 
@@ -355,19 +355,19 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
             for acc, w_smem in zip(accs, smem[:-1]):
               plgpu.wgmma(acc, w_smem.T, x_t)  # [TILE_N, bk] @ [bk, R]
             return count + 1
-          slot = lax.rem(idx[0], 2)
           for i, acc in enumerate(accs):
             words_smem, scale_smem = smem[2 * i], smem[2 * i + 1]
             if smem_dequant:
-              deq_smem[i].at[slot][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
+              deq_smem[i][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
               plgpu.commit_smem()
-              plgpu.wgmma(acc, deq_smem[i].at[slot], x_t)
+              plgpu.wgmma(acc, deq_smem[i], x_t)
             else:
               plgpu.wgmma(acc, _dequant_words_registers(words_smem, scale_smem, bk), x_t)
               if int4_dequant == "registers_serial":
                 plgpu.wgmma_wait(0)  # fewer live registers: the next weight's tile reuses them
-          if not smem_dequant:
-            plgpu.wgmma_wait(0)  # the register operands must outlive their MMAs
+          # The operands (registers, or the one shared-memory tile per weight) must outlive their
+          # MMAs; this also lets the x tile go as soon as the step ends.
+          plgpu.wgmma_wait(0)
           return count + 1
 
         if is_int4:
@@ -379,11 +379,9 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
           in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
                                       delay_release=1)
                       for _ in range(num_w)]
-        # The x tile is read by MMAs still in flight when the next step starts, unless INT4's
-        # register path waits for each.
-        x_async = not is_int4 or smem_dequant
+        # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
         in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (w, k), transforms=_bf16_transforms(x_atom),
-                                        delay_release=1 if x_async else 0))
+                                        delay_release=0 if is_int4 else 1))
         steps = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
                                     max_concurrent_steps=stages, init_carry=jnp.int32(0))(
                                         *[ref.at[expert] for ref in w_refs], x_ref)
@@ -403,7 +401,7 @@ def _grouped_kernel(x_work, work_expert, weights, *, fuse_silu: bool, cfg: TileC
     out_types.append(jax.ShapeDtypeStruct((n_tiles, w_items), jnp.int32))
   scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
   if smem_dequant:
-    scratch += [plgpu.SMEM((2, TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
+    scratch += [plgpu.SMEM((TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
   kernel = plgpu.kernel(
       body, out_type=tuple(out_types), grid=(n_tiles, w_items), grid_names=("n", "w"),
@@ -466,10 +464,12 @@ def _resolve_options(a: int, e: int, block_rows, int4_dequant, interpret):
   # under plgpu.force_gpu_interpret_mode) runs the plain-jnp shared-memory form.
   on_gpu = interpret is None and jax.default_backend() == "gpu"
   dequant = int4_dequant or ("registers" if on_gpu else "smem")
-  allowed = ("registers", "registers_serial") if on_gpu else ("smem",)
-  if dequant not in allowed:
-    raise ValueError(f"int4_dequant={int4_dequant!r}: expected one of {allowed} "
-                     f"({'on the GPU' if on_gpu else 'in interpret mode'})")
+  if dequant not in ("registers", "registers_serial", "smem"):
+    raise ValueError(f"int4_dequant={int4_dequant!r}: expected 'registers', 'registers_serial' or 'smem'")
+  if dequant == "smem" and on_gpu:
+    raise ValueError("int4_dequant='smem' is interpret mode's plain-jnp form; it does not lower for the GPU")
+  if dequant != "smem" and interpret is not None:
+    raise ValueError(f"int4_dequant={dequant!r} is inline PTX for the GPU; interpret mode runs 'smem'")
   return r, dequant
 
 
