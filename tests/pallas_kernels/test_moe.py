@@ -118,14 +118,15 @@ def assert_close(got, want, num_routed):
 
 
 def check_case(fmt, num_tokens, seed, interpret, int4_dequant=None, top_k=2, allowed=(0, 2, 3, 5),
-               num_padded=None):
+               num_padded=None, block_rows=None):
   """Random routing over ``allowed`` experts (1 and 4 get no tokens), padded rows included."""
   rng = np.random.default_rng(seed)
   num_padded = num_tokens // 4 if num_padded is None else num_padded
   order, sizes = routing(rng, num_tokens, top_k, E, allowed, num_padded)
   x = sorted_rows(rng, order, sizes, H)
   experts = as_format(random_weights(seed), fmt)
-  got = moe.moe_experts(x, jnp.asarray(sizes), experts, interpret=interpret, int4_dequant=int4_dequant)
+  got = moe.moe_experts(x, jnp.asarray(sizes), experts, interpret=interpret, int4_dequant=int4_dequant,
+                        block_rows=block_rows)
   assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
 
 
@@ -142,6 +143,12 @@ def test_matches_reference_random_routing(fmt, num_tokens):
 def test_all_tokens_on_one_expert(fmt):
   # 40 rows on expert 4: three work items of 16 rows for one expert, the last one partial.
   check_case(fmt, 40, seed=7, interpret=INTERPRET, top_k=1, allowed=(4,), num_padded=3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_widest_work_items(fmt):
+  # 64-row items (the widest default): 70 rows on expert 2 make one full item and one partial.
+  check_case(fmt, 70, seed=9, interpret=INTERPRET, top_k=1, allowed=(2, 5), num_padded=2, block_rows=64)
 
 
 def expected_items(sizes, block_rows):
