@@ -6,7 +6,7 @@ Times every variant side by side in one process, on the same weights, routings a
 ``bench_moe.py`` (one K2.6 layer, random top-8; 16 calls per executable), with the fraction of
 the touched experts' read roofline. Each variant's output is checked against the default variant's (relative L2), and the
 default against the float32 reference at the 48-expert share. ``prep`` times the plain-jnp work
-around the kernels alone (work list, row gather, scatter back): a floor under every variant.
+around the kernels alone (the work list and the take back to sorted rows): a floor under every variant.
 Writes ``tune_moe.json`` and ``tune_moe.md``; the defaults in ``pallas_kernels/moe.py`` are
 chosen from it.
 """
@@ -49,13 +49,12 @@ VARIANTS = {
 
 
 def prep_only(x_sorted, group_sizes, w):
-  """The plain-jnp part of ``moe_experts`` with the kernels left out."""
+  """The plain-jnp part of ``moe_experts`` with the kernels left out: the work list, and a take of
+  A rows as the one back from the work layout does (here from x_sorted itself)."""
   del w
   a = x_sorted.shape[0]
-  r = bench_moe.block_rows(x_sorted, group_sizes)
-  work = moe.work_list(group_sizes, a, r)
-  x_work = moe.gather_work_rows(x_sorted, work, r)
-  y = jnp.take(x_work, jnp.clip(work.row_column, 0, x_work.shape[0] - 1), axis=0)
+  work = moe.work_list(group_sizes, a, bench_moe.block_rows(x_sorted, group_sizes))
+  y = jnp.take(x_sorted, jnp.clip(work.row_column, 0, a - 1), axis=0)
   return jnp.where(work.routed[:, None], y, 0)
 
 

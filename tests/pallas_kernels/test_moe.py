@@ -50,7 +50,7 @@ def routing(rng, num_tokens, top_k, num_experts, allowed=None, num_padded=0):
 
 
 def sorted_rows(rng, order, group_sizes, hidden):
-  """bf16 [A, H] rows; rows past sum(group_sizes) are NaN (the kernel must never read them)."""
+  """bf16 [A, H] rows; rows past sum(group_sizes) are NaN (they must not change any routed row)."""
   x = rng.standard_normal((len(order), hidden)).astype(np.float32)
   x[int(group_sizes.sum()):] = np.nan
   return jnp.asarray(x, jnp.bfloat16)
@@ -152,33 +152,48 @@ def test_widest_work_items(fmt):
 
 
 def expected_items(sizes, block_rows):
-  """(expert, first row, rows) per work item, by a plain loop over the experts."""
-  items, start = [], 0
+  """(expert, first row, rows) per live work item, by a plain loop over the experts: windows of
+  R rows from each expert's first row rounded down to 8."""
+  return [item for item in expected_slots(sizes, block_rows, sum(sizes)) if item[0] >= 0]
+
+
+def expected_slots(sizes, block_rows, num_rows):
+  """(expert or -1, first row, rows, block start) per item slot: ceil((rows + 7) / R) slots per
+  non-empty expert, dead where the window starts past its rows; then the unused tail."""
+  slots, start = [], 0
+  last_window = -(-max(num_rows, block_rows) // 8) * 8 - block_rows
   for e, size in enumerate(sizes):
-    for first in range(0, size, block_rows):
-      items.append((e, start + first, min(block_rows, size - first)))
+    base = start - start % 8
+    for k in range(-(-(size + 7) // block_rows) if size else 0):
+      window = base + k * block_rows
+      first, end = max(start, window), min(start + size, window + block_rows)
+      slots.append((e, first, end - first, min(window, last_window)) if window < start + size else (-1, 0, 0, 0))
     start += size
-  return items
+  return slots
 
 
 def test_work_list_against_a_loop():
   rng = np.random.default_rng(3)
-  sizes = np.array([0, 37, 1, 0, 16, 5, 0], np.int32)
-  num_rows = int(sizes.sum()) + 6
+  sizes = np.array([0, 40, 0, 0, 16, 5, 0, 9, 2, 3], np.int32)
+  num_rows = int(sizes.sum()) + 2
   work = moe.work_list(jnp.asarray(sizes), num_rows, 16)
-  items = expected_items(sizes, 16)
-  assert len(work.expert) == moe.max_work_items(len(sizes), num_rows, 16) >= len(items)
-  got = [(int(e), int(f), int(n)) for e, f, n in zip(work.expert, work.first_row, work.num_rows)]
-  assert got[:len(items)] == items
-  assert all(e == -1 and n == 0 for e, _, n in got[len(items):])
-  column = {row: w * 16 + j for w, (_, first, n) in enumerate(items) for j, row in enumerate(range(first, first + n))}
+  slots = expected_slots(sizes, 16, num_rows)
+  assert len(work.expert) == moe.max_work_items(len(sizes), num_rows, 16) >= len(slots)
+  assert slots[4] == (-1, 0, 0, 0)  # expert 4's rows 40..55 fill one window; its second slot is dead
+  assert slots[-1] == (9, 72, 3, 64)  # the last window moved back to end at row 80 (77 rows padded)
+  got = [tuple(int(v) for v in f) for f in zip(work.expert, work.first_row, work.num_rows, work.block_start)]
+  assert got[:len(slots)] == slots
+  assert all(g == (-1, 0, 0, 0) for g in got[len(slots):])
+  assert all(s[3] % 8 == 0 and s[3] <= s[1] and s[1] + s[2] <= s[3] + 16 for s in slots if s[0] >= 0)
+  column = {row: w * 16 + row - block for w, (e, first, n, block) in enumerate(slots) if e >= 0
+            for row in range(first, first + n)}
   routed = int(sizes.sum())
   assert [int(c) for c in work.row_column[:routed]] == [column[row] for row in range(routed)]
   assert list(np.asarray(work.routed)) == [row < routed for row in range(num_rows)]
   # The static bound holds for any routing of these rows.
   for _ in range(20):
-    sizes = rng.multinomial(num_rows, rng.dirichlet(np.full(7, 0.3)))
-    assert len(expected_items(sizes, 16)) <= moe.max_work_items(7, num_rows, 16)
+    sizes = rng.multinomial(num_rows, rng.dirichlet(np.full(10, 0.3)))
+    assert len(expected_slots(sizes, 16, num_rows)) <= moe.max_work_items(10, num_rows, 16)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
@@ -208,7 +223,9 @@ def test_only_touched_experts_are_read(fmt):
     steps = np.asarray(steps)
     n_tiles = -(-n_out // moe.TILE_N)
     assert steps.shape == (n_tiles, moe.max_work_items(E, len(order), block_rows))
-    assert (steps[:, :len(items)] == k_steps).all() and (steps[:, len(items):] == 0).all()
+    live = np.zeros(steps.shape[1], bool)
+    live[[w for w, slot in enumerate(expected_slots(sizes, block_rows, len(order))) if slot[0] >= 0]] = True
+    assert (steps[:, live] == k_steps).all() and (steps[:, ~live] == 0).all()
     # Programs that loaded weights = touched items x output tiles (visiting all E would be 6x).
     assert (steps > 0).sum() == len(touched) * n_tiles
     assert steps.sum() == len(touched) * n_tiles * k_steps
