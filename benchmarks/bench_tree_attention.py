@@ -21,8 +21,9 @@ it moves 1024 of the 1152 bytes per token and is a lower bound on its cost for t
 Writes ``bench_tree_attention.json`` and ``.md`` (``.png`` with ``--plot``). Cells run in priority
 order (the issue's goal cells first) until ``--budget-s`` runs out; skipped cells are listed.
 ``--variants`` then times kernel options and probes side by side (``variant_list``: the previous
-settings, each change alone, and probes that leave the loads, the softmax or the V^T P^T product
-out); each row's ``breakdown_us`` in the JSON lists every kernel of the call with its median time.
+kernel's division of V^T P^T, and probes that leave the loads, the compute or the softmax out);
+each row's ``breakdown_us`` in the JSON lists every kernel of the call with its median time.
+Each row's ``time_us`` is the whole call (index prep, kernel and merge) timed as one.
 """
 
 import argparse
@@ -229,22 +230,16 @@ def decode_attention(heads, batch, cached, c_kv, prefix):
 def variant_list():
   """(cell, label, run_cell keywords): kernel options and timing probes beside the default.
 
-  "before" is the previous kernel's settings (softmax sum reduced per tile, the default 2 KiB
-  reduction scratch, two-pass merge); the probes drop parts of the loop (wrong results) to show
-  what each part costs.
+  "pv split" is the previous kernel's division of V^T P^T (each compute warpgroup half of Dv;
+  the default now gives all of it to warpgroup 1); the probes drop parts of the loop (wrong
+  results) to show what each part costs.
   """
   O = ta.Options
-  before = dict(options=O(lazy_sum=False, reduction_scratch=2048, merge="two_pass"))
   goal = (8, 1, 32768, 17)
-  out = [(goal, "before", before),
-         (goal, "per-tile softmax sum", dict(options=O(lazy_sum=False))),
-         (goal, "2 KiB reduction scratch", dict(options=O(reduction_scratch=2048))),
-         (goal, "two-pass merge", dict(options=O(merge="two_pass"))),
-         (goal, "probe: no softmax", dict(options=O(probe="nosoftmax"))),
-         (goal, "probe: no loads", dict(options=O(probe="noload"))),
-         (goal, "probe: no PV", dict(options=O(probe="nopv"))),
-         ((8, 1, 131072, 65), "before", before)]
-  return out
+  return [(goal, "pv split (previous kernel)", dict(options=O(pv="split"))),
+          (goal, "probe: no loads", dict(options=O(probe="noload"))),
+          (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
+          (goal, "probe: no softmax", dict(options=O(probe="nosoftmax")))]
 
 
 def run_variants(args, bandwidth, peak, results):

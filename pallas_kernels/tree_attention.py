@@ -19,19 +19,25 @@ Layout of the work (why it is shaped this way):
     memory (P stored ``[rows, kv]``, K-major); the softmax reduces over axis 0.
   * Threads. Each CTA runs a memory warpgroup, which streams KV tiles with TMA into a ring of
     shared-memory stages, and one or two compute warpgroups. ``O^T`` lives in registers
-    (``dv x rows_per_tile / 128`` fp32 per thread for one warpgroup), so for Kimi's 512-wide latent
-    two warpgroups each own 256 rows of ``O^T``: warpgroup 0 computes ``S^T`` and the online
-    softmax, hands ``P`` (double-buffered) and the per-row rescale factors to warpgroup 1 through
-    shared memory, and both multiply by their half of ``V^T``. Only warpgroup 0 reduces across
-    warps, because Mosaic GPU gives every such reduction the same static scratch buffer.
+    (``dv x rows_per_tile / 128`` fp32 per thread for one warpgroup). Warpgroup 0 computes
+    ``S^T`` and the online softmax and hands ``P`` (double-buffered) and the per-row rescale
+    factors to warpgroup 1 through shared memory; warpgroup 1 holds all of Kimi's 512 x 48
+    ``O^T`` (192 fp32 per thread) and does all of ``V^T P^T`` (``Options.pv="value_wg"``), so
+    warpgroup 0's per-tile chain is only S^T and the softmax. Where ``O^T`` does not fit one
+    warpgroup, each owns half of Dv (``pv="split"``, the previous kernel: 37.2 vs 34.9 us at
+    b1/32k/q17 on the H200, same run). Only warpgroup 0 reduces across warps, because Mosaic GPU
+    gives every such reduction the same static scratch buffer.
     Shared memory, not registers, caps the row tile at 48: the query tile and two 73.7 KB KV
     stages leave room for no more.
   * Split KV. The grid is ``(request x group, split, row tile)``; each request's live columns
     ``[0, min(prefix_len + Q, T))`` are cut into ``num_splits`` equal tile-aligned ranges, so batch 1
     still fills the GPU; tiles past a request's length are never read. The split count minimises
     waves x tiles per CTA, so batch 8 with long trees runs several waves rather than one split per
-    request. Each split writes a normalised partial output and its base-2 log-sum-exp; a small XLA
-    epilogue merges them.
+    request. Each split writes a normalised partial output, as ``O`` ([rows, Dv], through a
+    transposed view and the transposed WGMMA register layout), and its base-2 log-sum-exp; two
+    XLA kernels merge them (split weights, then one weighted-sum reduction that writes
+    [rows, Dv] directly: the transpose kernel of the ``O^T`` partials is gone, 8.9 -> 6.1 us of
+    epilogue at b1/32k/q17).
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
@@ -40,11 +46,14 @@ Layout of the work (why it is shaped this way):
     the 4 warps (through shared memory, two warpgroup barriers per round). The denominators are
     kept as a [64, Rt] elementwise sum and reduced once after the loop, and the reduction scratch
     holds all of a row tile's columns, so each KV tile runs one reduction in one round.
-  * What limits it (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): the serial chain
-    of warpgroup 0 per KV tile (S^T wgmma and wait, softmax, P hand-over, its half of V^T P^T and
-    wait), not the KV stream: with the loads left out it ran as slow (43.2 vs 43.7 us, before the
-    softmax changes), with the compute left out it takes 17 us (the kernel: 36 us now). Next:
-    compute S^T of tile i+1 during the softmax of tile i.
+  * What limits it (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): compute, not
+    the KV stream. The kernel takes 34.8 us, 33.4 with the loads left out, 17.3 with the compute
+    left out and 27.6 with the softmax left out, i.e. about 2.2 us of wgmma work per 64-column
+    tile even without the softmax. Likely cause (not profiled): with the rows on the N side
+    (N = 48), each tile re-reads the 55 KB query tile and, for each of V^T's 8 M-blocks, P^T from
+    shared memory (~240 KB of operand reads per tile). Taking V^T P^T off warpgroup 0 gained 6%.
+    S^T of tile i + 1 during the softmax of tile i needs tile i + 1 loaded while tile i is held,
+    and a third 73.7 KB stage does not fit beside the query tile.
   * Tried and dropped (H200 measurements in ``benchmarks/results/bench_tree_attention.md``): a
     cluster of the row tiles of one split sharing each KV tile by TMA multicast (correct, but 1.2x
     to 4x slower: the cluster-wide stage release puts the CTAs in lockstep), a one-pass
@@ -112,6 +121,13 @@ class Options:
     axis once after the loop, so each KV tile runs one cross-warp reduction (the max), not two
     (``plan`` turns it off where the extra registers do not fit).
     H200, Kimi widths: 43.7 -> 39.2 us kernel at b1/32k/q17, 511 -> 423 us at b1/128k/q65.
+  pv: who multiplies V^T P^T when there are two compute warpgroups. "value_wg": warpgroup 1
+    alone, over all of Dv, so that warpgroup 0's per-tile chain is only S^T and the softmax
+    (it runs ahead by up to two tiles while warpgroup 1 multiplies); "split": each warpgroup
+    half of Dv (the previous kernel); "auto": "value_wg" where warpgroup 1's registers hold all
+    of O^T (Dv * Rt / 128 <= 192 fp32 per thread), else "split".
+  regs: registers per thread of warpgroups 0 and 1 (setmaxnreg; with the memory warpgroup's 40
+    at most 512 in all); 0: 232 each.
   merge: "pairwise" (default: each split's weight 1 / sum_t 2^(lse_t - lse_s) in one fusion, and
     one weighted sum) or "two_pass" (max, then exponentials and sums: two more XLA kernels).
   probe: timing probes that give wrong results: "noload" (after the first stages the memory
@@ -121,8 +137,10 @@ class Options:
   """
 
   lazy_sum: bool = True
+  pv: str = "auto"
   merge: str = "pairwise"
   reduction_scratch: int = 0  # bytes of cross-warp reduction scratch; 0: as much as helps and fits
+  regs: tuple = (0, 0)
   probe: str = ""
 
 
@@ -180,6 +198,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   options = Options() if options is None else options
   if options.probe not in ("", "noload", "nocompute", "nosoftmax", "nopv"):
     raise ValueError(f"unknown probe {options.probe!r}")
+  if options.pv not in ("auto", "value_wg", "split"):
+    raise ValueError(f"unknown pv {options.pv!r}")
   if options.merge not in ("pairwise", "two_pass"):
     raise ValueError(f"unknown merge {options.merge!r}")
   if partial_dtype not in ("float32", "bfloat16"):
@@ -197,7 +217,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   # S^T / P^T take 64 * Rt / 128 fp32 registers per thread; keep the sum under ~160.
   max_rows = (160 * 128) // (value_dim // value_wgs + BLOCK_KV)
   fits = []
-  for rt in range(32, min(max_rows, 256) + 1, 8):  # a wgmma N dimension: a multiple of 8
+  for rt in range(8, min(max_rows, 256) + 1, 8):  # a wgmma N dimension: a multiple of 8
     if rows_per_tile and rt != rows_per_tile:
       continue
     for stages in (4, 3, 2):
@@ -217,10 +237,19 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   if num_splits is None:
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
+  pv = options.pv
+  if value_wgs == 1:
+    pv = "split"  # one compute warpgroup does everything
+  elif pv == "auto":
+    pv = "value_wg" if value_dim * rt // 128 <= 192 else "split"
+  elif pv == "value_wg" and value_dim * rt // 128 > 224:
+    raise ValueError(f"pv='value_wg': O^T of {value_dim} x {rt} does not fit one warpgroup")
   # The lazy sum keeps one more [64, Rt] array live in warpgroup 0: only where registers allow
-  # (Kimi's 48-row tile: 96 + 3 x 24 per thread; not the demo model's 136-row tile).
-  lazy_sum = options.lazy_sum and (value_dim // value_wgs + 3 * BLOCK_KV) * rt // 128 <= 200
-  options = dataclasses.replace(options, lazy_sum=lazy_sum)
+  # (with pv="split", Kimi's 48-row tile: 96 + 3 x 24 per thread; not the demo model's 136-row
+  # tile).
+  wg0_o_rows = value_dim // value_wgs if pv == "split" else 0
+  lazy_sum = options.lazy_sum and (wg0_o_rows + 3 * BLOCK_KV) * rt // 128 <= 200
+  options = dataclasses.replace(options, lazy_sum=lazy_sum, pv=pv)
   spare = SMEM_BUDGET - _smem_bytes(rt, key_width, value_width, num_words, num_stages)
   scratch = options.reduction_scratch or max(
       REDUCTION_SCRATCH_BYTES, min(rt * 128, (spare + REDUCTION_SCRATCH_BYTES) // 1024 * 1024))
@@ -258,7 +287,7 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   1 + W starts with the request's pool slot, window start and live length); q parts
   [BG, rows, Dk_i] (a tile reaching past the last row reads zeros: TMA fills out-of-bounds boxes);
   key pools [S, T, G, Dk_i]; value pool [S, T, G, Dv] unless shared with key part 0; outputs
-  o_part [BG, n_rt, splits, Dv, rows_stored] and lse_part [BG, n_rt, splits, Rt]; then scratch.
+  o_part [BG, splits, n_rt, rows_stored, Dv] and lse_part [BG, splits, n_rt, Rt]; then scratch.
   """
   n = num_key_parts
   q_refs = refs[:n]
@@ -279,7 +308,12 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   num_stages = plan.num_stages
   vw = plan.value_wgs
   opts = plan.options
-  dv_slice = value_smem.shape[-1] // vw
+  # Warpgroup w multiplies V^T P^T for Dv rows [w - w0, w - w0 + 1) * dv_slice (w0 = 1 when
+  # warpgroup 1 does all of it).
+  pv_split = opts.pv == "split"
+  dv_slice = value_smem.shape[-1] // (vw if pv_split else 1)
+  pv_first = 0 if pv_split else 1
+  regs0, regs1 = (r or 232 for r in opts.regs)
 
   bg = lax.axis_index("bg")
   split = lax.axis_index("split")
@@ -317,7 +351,12 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
     out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [1])).astype(o_ref.dtype)
     if plan.rows_stored < rt_rows:
       out = out[:, :plan.rows_stored]
-    o_ref.at[bg, row_tile, split, pl.ds(which * dv_slice, dv_slice)][...] = out
+    # O^T goes out as O ([rows, Dv], Dv contiguous) through a transposed view of the output:
+    # the transposed WGMMA layout holds pairs of consecutive Dv entries per thread, which is what
+    # a store into the view wants (so the merge needs no transpose kernel).
+    if not interpreted:
+      out = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+    o_ref.at[bg, split, row_tile, :, pl.ds(which * dv_slice, dv_slice)].transpose((1, 0))[...] = out
 
   def zero_acc():
     return plgpu.layout_cast(jnp.zeros((dv_slice, rt_rows), jnp.float32), plgpu.Layout.WGMMA)
@@ -367,7 +406,7 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
   @pl.when(wg == 0)
   def _softmax_wg():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
     prefix_cut = lax.broadcast_in_dim(plgpu.load(meta_smem.at[0], layout=reduce0), (bk, rt_rows),
                                       [1])
@@ -436,9 +475,10 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       plgpu.commit_smem()
       if vw == 2:
         plgpu.barrier_arrive(p_ready.at[buf])
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      if opts.probe != "nopv":
-        acc = add_values(acc, stage, buf, 0)
+      if pv_split:
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+        if opts.probe != "nopv":
+          acc = add_values(acc, stage, buf, 0)
       plgpu.barrier_arrive(consumed.at[stage])
       return acc, m_new, l_run
 
@@ -447,8 +487,9 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       l_run = plgpu.layout_cast(jnp.zeros((bk, rt_rows), jnp.float32), plgpu.Layout.WGMMA)
     else:
       l_run = plgpu.layout_cast(jnp.zeros((rt_rows,), jnp.float32), reduce0)
+    acc0 = zero_acc() if pv_split else None  # no O^T rows in warpgroup 0
     carry = lax.fori_loop(0, first_window_tile, functools.partial(step, window=False),
-                          (zero_acc(), m_run, l_run))
+                          (acc0, m_run, l_run))
     acc, m_run, l_run = lax.fori_loop(first_window_tile, num_tiles,
                                       functools.partial(step, window=True), carry)
     if opts.lazy_sum:
@@ -459,14 +500,15 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       exchange.at[2][...] = inv_l
       plgpu.commit_smem()
       plgpu.barrier_arrive(done)
-    store_output(acc, 0, inv_l)
-    lse_ref.at[bg, row_tile, split][...] = jnp.where(
+    if pv_split:
+      store_output(acc, 0, inv_l)
+    lse_ref.at[bg, split, row_tile][...] = jnp.where(
         empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
 
   if vw == 2:
     @pl.when(wg == 1)
     def _values_wg():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(regs1, action="increase")
 
       def step(i, acc):
         stage = lax.rem(i, num_stages)
@@ -479,14 +521,14 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
         alpha = plgpu.load(exchange.at[buf], layout=reduce0)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
         if opts.probe != "nopv":
-          acc = add_values(acc, stage, buf, 1)
+          acc = add_values(acc, stage, buf, 1 - pv_first)
         plgpu.barrier_arrive(p_free.at[buf])
         plgpu.barrier_arrive(consumed.at[stage])
         return acc
 
       acc = lax.fori_loop(0, num_tiles, step, zero_acc())
       plgpu.barrier_wait(done)
-      store_output(acc, 1, plgpu.load(exchange.at[2], layout=reduce0))
+      store_output(acc, 1 - pv_first, plgpu.load(exchange.at[2], layout=reduce0))
 
 
 def _accumulate(issue, acc, interpreted: bool):
@@ -561,9 +603,9 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       plgpu.Barrier(num_arrivals=1),  # done
   ]
   out_type = (
-      jax.ShapeDtypeStruct((bg_count, n_rt, pl_.num_splits, value_dim, pl_.rows_stored),
+      jax.ShapeDtypeStruct((bg_count, pl_.num_splits, n_rt, pl_.rows_stored, value_dim),
                            jnp.dtype(pl_.partial_dtype)),
-      jax.ShapeDtypeStruct((bg_count, n_rt, pl_.num_splits, rt_rows), jnp.float32),
+      jax.ShapeDtypeStruct((bg_count, pl_.num_splits, n_rt, rt_rows), jnp.float32),
   )
   body = functools.partial(
       _kernel, plan=pl_, num_key_parts=len(key_dims), shared_value=shared_value,
@@ -609,37 +651,38 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
 
 
 def _merge(o_part, lse_part, pl_: Plan, rows: int):
-  """Log-sum-exp merge of the per-split partials (XLA): split weights, a weighted sum, a transpose.
+  """Log-sum-exp merge of the per-split partials (XLA): the split weights, then a weighted sum.
 
   Args:
-    o_part: [BG, n_rt, splits, Dv, rows_stored] normalised partial outputs (transposed).
-    lse_part: float32 [BG, n_rt, splits, Rt] base-2 log-sum-exp (-inf for an empty split).
+    o_part: [BG, splits, n_rt, rows_stored, Dv] normalised partial outputs.
+    lse_part: float32 [BG, splits, n_rt, Rt] base-2 log-sum-exp (-inf for an empty split).
   Returns:
     float32 [BG, rows, Dv].
 
   The weight of split s for a row is 2^lse_s / sum_t 2^lse_t. "pairwise" computes it as
   1 / sum_t 2^(lse_t - lse_s) in one fusion (a term overflows to inf only when split s is
   negligible next to split t, which gives s the weight 0 it has in float32 anyway); "two_pass"
-  subtracts the maximum first, one XLA kernel more (H200, b1/32k/q17: its four epilogue kernels
-  took 9.7 us, 1.5 to 4.8 us each). A one-pass variadic reduction carrying (max, weight sum,
-  weighted sum) was slower still (41 us at 44 splits). Storing the partials as [rows, Dv] (to
-  drop the transpose) does not lower: Mosaic GPU stores a WGMMA-layout array only with its
-  column pairs contiguous.
+  subtracts the maximum first, one XLA kernel more. The partials lie splits-major with each
+  split's row tiles contiguous, so the weighted sum reads them as [BG, splits, rows, Dv] (a
+  reshape and a slice, no transpose) and writes [BG, rows, Dv] in one reduction fusion: 2
+  epilogue kernels (stored [Dv, rows] they needed a transpose kernel more; with the split and
+  row-tile axes the other way round XLA added a 6.6 us transpose). A one-pass variadic reduction
+  carrying (max, weight sum, weighted sum) was slower (41 us at 44 splits).
   """
-  lse = lse_part[..., :pl_.rows_stored]  # [BG, n_rt, splits, rs]
+  lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
   if pl_.options.merge == "two_pass":
-    top = jnp.max(lse, axis=2, keepdims=True)
+    top = jnp.max(lse, axis=1, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
-    weight = weight / jnp.sum(weight, axis=2, keepdims=True)
+    weight = weight / jnp.sum(weight, axis=1, keepdims=True)
   else:
-    lse_s, lse_t = lse[:, :, :, None, :], lse[:, :, None, :, :]
-    terms = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp2(lse_t - lse_s))  # [BG, n_rt, s, t, rs]
-    weight = jnp.where(lse == -jnp.inf, 0.0, 1.0 / jnp.sum(terms, axis=3))
-  # Written as a broadcast-multiply-reduce (not an einsum) so XLA fuses it into one reduction.
-  out = jnp.sum(weight[:, :, :, None, :] * o_part.astype(jnp.float32), axis=2)  # [BG, n_rt, Dv, rs]
-  bg_count, n_rt, dv = out.shape[:3]
-  out = out.transpose(0, 1, 3, 2).reshape(bg_count, n_rt * pl_.rows_stored, dv)
-  return out[:, :rows]
+    lse_s, lse_t = lse[:, :, None], lse[:, None, :]
+    terms = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp2(lse_t - lse_s))  # [BG, s, t, n_rt, rs]
+    weight = jnp.where(lse == -jnp.inf, 0.0, 1.0 / jnp.sum(terms, axis=2))
+  bg_count, splits, n_rt, rs, dv = o_part.shape
+  weight = weight.reshape(bg_count, splits, n_rt * rs)[:, :, :rows]
+  o_all = o_part.reshape(bg_count, splits, n_rt * rs, dv)[:, :, :rows]
+  # A broadcast-multiply-reduce (not an einsum) so that XLA fuses it into one reduction.
+  return jnp.sum(weight[..., None] * o_all.astype(jnp.float32), axis=1)  # [BG, rows, Dv]
 
 
 def _as_bf16(x):

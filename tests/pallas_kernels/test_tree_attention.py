@@ -137,18 +137,18 @@ def test_merges_agree_with_empty_and_far_apart_splits():
   # overflow to inf and the others get weight 0), and rows that no split saw (sliced off).
   rng = np.random.default_rng(5)
   bg, n_rt, splits, dv, rt = 2, 2, 6, 8, 16
-  o = rng.standard_normal((bg, n_rt, splits, dv, rt)).astype(np.float32)
-  lse = (rng.standard_normal((bg, n_rt, splits, rt)) * 20).astype(np.float32)
-  lse[0, 0, 1] = -np.inf
-  lse[1, 1, :, 3] = -np.inf
-  lse[1, 1, 2, 3] = 5.0  # only one split saw this row
-  lse[0, 1, 4, :] += 300.0
-  lse[:, -1, :, -4:] = -np.inf  # padding rows of the last tile
+  o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)  # partials [rows, Dv]
+  lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 20).astype(np.float32)
+  lse[0, 1, 0] = -np.inf
+  lse[1, :, 1, 3] = -np.inf
+  lse[1, 2, 1, 3] = 5.0  # only one split saw this row
+  lse[0, 4, 1, :] += 300.0
+  lse[:, :, -1, -4:] = -np.inf  # padding rows of the last tile
   rows = n_rt * rt - 4
   with np.errstate(invalid="ignore"):  # the padding rows (all -inf), sliced off below
-    weight = np.exp2(lse.astype(np.float64) - lse.max(axis=2, keepdims=True))
-  want = (weight[:, :, :, None, :] * o).sum(2) / weight.sum(2)[:, :, None, :]
-  want = want.transpose(0, 1, 3, 2).reshape(bg, n_rt * rt, dv)[:, :rows]
+    weight = np.exp2(lse.astype(np.float64) - lse.max(axis=1, keepdims=True))
+  want = (weight[..., None] * o).sum(1) / weight.sum(1)[..., None]
+  want = want.reshape(bg, n_rt * rt, dv)[:, :rows]
   for merge in ("pairwise", "two_pass"):
     pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
                   num_splits=splits, rows_stored=rt, reduction_scratch=2048, value_wgs=1,
