@@ -177,16 +177,22 @@ def ragged_dot_mgpu_layer(x, group_sizes, experts):
   return dot(hidden, experts.down)
 
 
+def expected_rows(x, g):
+  """Rows expected on these experts: under expert parallelism the share's buffer is 8T rows, but
+  only about 8T x E / 384 of them are routed to its E experts (sets the kernel's defaults)."""
+  return max(1, x.shape[0] * g.shape[0] // ALL_EXPERTS)
+
+
 def block_rows(x, g):
-  """Rows per work item from the rows expected on these experts: under expert parallelism the
-  share's buffer is 8T rows, but only about 8T x E / 384 of them are routed to its E experts."""
-  return moe.default_block_rows(g.shape[0], max(1, x.shape[0] * g.shape[0] // ALL_EXPERTS))
+  return moe.default_block_rows(g.shape[0], expected_rows(x, g))
 
 
 IMPLS = {
-    "pallas": lambda x, g, w: moe.moe_experts(x, g, w, block_rows=block_rows(x, g)),
-    # INT4 from registers, draining the MMA after every 32-feature group (the first version).
-    "pallas_serial": lambda x, g, w: moe.moe_experts(x, g, w, block_rows=block_rows(x, g),
+    "pallas": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g)),
+    # The two INT4 forms forced (the default picks one by the expected programs per SM).
+    "pallas_registers": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g),
+                                                        int4_dequant="registers"),
+    "pallas_serial": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g),
                                                      int4_dequant="registers_serial"),
     "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
     "ragged_dot_mgpu": ragged_dot_mgpu_layer,
@@ -213,7 +219,7 @@ def run(args, out: Path):
         if impl in args.impls and (impl != "ragged_dot_mgpu" or e != args.experts[0] or not args.mgpu_tokens
                                    or t in args.mgpu_tokens):
           cells.append((e, t, fmt, impl))
-      for variant in ("pallas_serial",):
+      for variant in ("pallas_registers", "pallas_serial"):
         if variant in args.impls and t in args.variant_tokens:
           cells.append((e, t, "int4", variant))
   data = {(e, t): routings(t, e, seed=1000 * e + t) for e in args.experts for t in args.tokens}
@@ -327,11 +333,12 @@ def markdown(result) -> str:
   if "rel_l2_vs_ragged_dot" in result.get("check", {}):
     lines.append(f"Check at K2.6 size: pallas bf16 vs ragged_dot relative L2 {result['check']['rel_l2_vs_ragged_dot']:.1e} "
                  f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
-  for impl, what in (("pallas_serial", "draining the MMAs after each weight's tile"),):
+  for impl, what in (("pallas_registers", "with both weights' MMAs in flight"),
+                     ("pallas_serial", "draining the MMAs after each weight's tile")):
     rows = [r for r in result["rows"] if r["impl"] == impl and "time_us" in r]
     if rows:
       lines.append(f"INT4 {what} ({impl}): " + ", ".join(
-          f"T={r['tokens']} {r['time_us']:.0f} us ({r['roofline_fraction']:.0%})" for r in rows) + ".")
+          f"E={r['experts']} T={r['tokens']} {r['time_us']:.0f} us ({r['roofline_fraction']:.0%})" for r in rows) + ".")
   lines.append(f"Command: `PYTHONPATH=. python3 benchmarks/bench_moe.py {' '.join(result['argv'])}`")
   return "\n".join(lines) + "\n"
 
@@ -344,7 +351,7 @@ def main():
   parser.add_argument("--impls", nargs="+", default=list(IMPLS))
   parser.add_argument("--compile-threads", type=int, default=8)
   parser.add_argument("--variant-tokens", type=int, nargs="*", default=[1, 17, 136],
-                      help="T at which to also time the other INT4 form (pallas_serial)")
+                      help="T at which to also time both INT4 forms forced (pallas_registers, pallas_serial)")
   parser.add_argument("--mgpu-tokens", type=int, nargs="*", default=[],
                       help="T at which to time ragged_dot_mgpu for the first expert count (default all); "
                            "its 384-group kernel takes about 6 s to lower per T")

@@ -40,6 +40,7 @@ VARIANTS = {
     "bf16 gu128x4 d256x3": ("bf16", {"tiles": tiles((128, 4), (256, 3))}),
     "bf16 gu64x6 d128x6": ("bf16", {"tiles": tiles((64, 6), (128, 6))}),
     "int4": ("int4", {}),
+    "int4 registers": ("int4", {"int4_dequant": "registers"}),
     "int4 serial": ("int4", {"int4_dequant": "registers_serial"}),
     "int4 256x3": ("int4", {"tiles": tiles((256, 3), (256, 3))}),
     "int4 512x2": ("int4", {"tiles": tiles((512, 2), (512, 2))}),
@@ -85,7 +86,7 @@ def run(args):
     if name == "prep":
       return prep_only
     kwargs = VARIANTS[name][1]
-    return lambda x, g, w: moe.moe_experts(x, g, w, **{"block_rows": bench_moe.block_rows(x, g), **kwargs})
+    return lambda x, g, w: moe.moe_experts(x, g, w, **{"expected_rows": bench_moe.expected_rows(x, g), **kwargs})
 
   def lower(cell):
     e, t, name = cell

@@ -44,13 +44,16 @@ copy engine on load and clipped on store (interpret mode models both). Layout li
 up front with clear errors (feature sizes multiples of 16, INT4 inputs multiples of 32; the
 packed layout pads K to a multiple of 256 with zero weights).
 
-Measured on the H200 (``benchmarks/results/bench_moe.md`` and ``tune_moe.md``, one K2.6 layer,
-random top-8, 16 calls in one executable): bf16 runs at 76-81% of the touched experts' read
-roofline for T = 9..544 with 384 experts (68% at T = 1); INT4 at 55-61% for T = 9..136 with 384
-experts and 51-56% for the 48-expert share at T = 33..136. At small T the plain-jnp work list and
-row gathers (22-60 us per call) and too few programs for one touched expert bound the time;
-splitting K over idle programs was tried and did not pay (``tune_moe.md``). Each row's result
-depends only on its own input (fixed tiles, K in a fixed order), whatever the other rows.
+Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
+in one executable): bf16 runs at 69-84% of the touched experts' read roofline for T = 9..136 (61% at
+T = 1 with 384 experts); INT4 at 55-63% for T = 9..136 with 384 experts with both weights' MMAs
+in flight, 60% at T = 17 and 136 in the serial form the default picks there, and 53-60% for the
+48-expert share at T = 33..136. At
+small T the GPU runs the kernels back to back, yet a call's wall time is ~1.5x its device time
+(``benchmarks/moe_timeline.py``): host-side time, not the kernels; and too few programs for a
+few touched experts (two per SM) leave each program's serial dequantise-and-multiply chain
+exposed. Splitting K over idle programs was tried and did not pay (``tune_moe.md``). Each row's
+result depends only on its own input (fixed tiles, K in a fixed order), whatever the other rows.
 """
 
 import dataclasses
@@ -91,8 +94,10 @@ def max_work_items(num_experts: int, num_rows: int, block_rows: int) -> int:
 
 
 def default_block_rows(num_experts: int, num_rows: int) -> int:
-  """Rows per work item: the expected rows per touched expert, as a power of two in [16, 64]."""
-  per_expert = -(-num_rows // max(1, min(num_experts, num_rows)))
+  """Rows per work item: the expected rows per touched expert plus the up-to-7-row offset of an
+  8-aligned window (``work_list``), as a power of two in [16, 64], so that an expert's rows
+  usually fit one window and its weights are read once."""
+  per_expert = -(-num_rows // max(1, min(num_experts, num_rows))) + ROW_ALIGN - 1
   return min(64, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))
 
 
@@ -495,14 +500,38 @@ def _check_inputs(x_sorted, group_sizes, experts):
   return a, h, ig, e
 
 
-def _resolve_options(a: int, e: int, block_rows, int4_dequant, interpret):
-  r = block_rows or default_block_rows(e, a)
+# With draining after each weight the INT4 gate/up kernel needs 114 registers a thread (4 programs
+# an SM) against 194 (2 an SM) when both weights' MMAs are in flight (ptxas, H200). Where the grid
+# holds enough programs to fill 4 an SM, the occupancy pays; with few programs each one's serial
+# chain is all there is. Same run (bench_moe.md): 3-8% faster at T = 17 and 136 with 384 experts
+# and at T = 136 with 48 (45+ experts touched); slower at 48 experts, T = 1 (88 vs 65 us) and
+# T = 17 (187 vs 182 us, 14 touched).
+SERIAL_PROGRAMS_PER_SM = 4
+
+
+def _num_sms() -> int:
+  device = jax.devices()[0]
+  return int(device.core_count) if device.platform == "gpu" else 132
+
+
+def default_int4_dequant(num_experts: int, expected_rows: int, inter: int) -> str:
+  """'registers_serial' where the gate/up grid is expected to hold >= 4 live programs per SM."""
+  touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** max(1, expected_rows))
+  programs = touched * pl.cdiv(inter, TILE_N)
+  return "registers_serial" if programs >= SERIAL_PROGRAMS_PER_SM * _num_sms() else "registers"
+
+
+def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expected_rows, interpret):
+  rows = a if expected_rows is None else expected_rows
+  if rows < 1:
+    raise ValueError(f"expected_rows={expected_rows} must be positive")
+  r = block_rows or default_block_rows(e, rows)
   if r % MIN_BLOCK_ROWS or not MIN_BLOCK_ROWS <= r <= 128:
     raise ValueError(f"block_rows={r} must be a multiple of {MIN_BLOCK_ROWS} in [16, 128]")
   # The register form is inline PTX for the real GPU; interpret mode (or any non-GPU backend, e.g.
   # under plgpu.force_gpu_interpret_mode) runs the plain-jnp shared-memory form.
   on_gpu = interpret is None and jax.default_backend() == "gpu"
-  dequant = int4_dequant or ("registers" if on_gpu else "smem")
+  dequant = int4_dequant or (default_int4_dequant(e, rows, inter) if on_gpu else "smem")
   if dequant not in ("registers", "registers_serial", "smem"):
     raise ValueError(f"int4_dequant={int4_dequant!r}: expected 'registers', 'registers_serial' or 'smem'")
   if dequant == "smem" and on_gpu:
@@ -512,9 +541,10 @@ def _resolve_options(a: int, e: int, block_rows, int4_dequant, interpret):
   return r, dequant
 
 
-def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles, interpret, count_tile_loads):
-  a, _, _, e = _check_inputs(x_sorted, group_sizes, experts)
-  r, dequant = _resolve_options(a, e, block_rows, int4_dequant, interpret)
+def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
+                 count_tile_loads):
+  a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
+  r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   work = work_list(group_sizes, a, r)
   if padded_rows(a, r) > a:  # the kernel loads R-row blocks at 8-aligned starts
     x_sorted = jnp.pad(x_sorted, ((0, padded_rows(a, r) - a), (0, 0)))
@@ -526,9 +556,13 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles
   return (y, *outs[1:]) if count_tile_loads else y
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "tiles", "interpret"))
+STATIC_OPTIONS = ("block_rows", "int4_dequant", "expected_rows", "tiles", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
 def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
-                int4_dequant: str | None = None, tiles: KernelTiles | None = None, interpret=None):
+                int4_dequant: str | None = None, expected_rows: int | None = None,
+                tiles: KernelTiles | None = None, interpret=None):
   """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
 
   Args:
@@ -538,20 +572,22 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     group_sizes: int[E] rows per expert.
     experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts`` of
       ``KernelInt4Matrix`` (``models.int4.kernel_experts`` converts K2.6's layout once).
-    block_rows: rows per work item (static; default from A / E, see ``default_block_rows``).
-      Under expert parallelism, where most of A is other devices' padding, pass
-      ``default_block_rows(E, expected local rows)``.
-    int4_dequant: "registers" (GPU default): each step's tile is dequantised by inline PTX
-      straight into the MMA's A-operand registers, every weight's MMAs issued before one drain;
-      "registers_serial": the same, draining after each weight (fewer live registers);
-      "smem": the plain-jnp form staged through shared memory (interpret mode's default: it
-      cannot run inline PTX).
+    block_rows: rows per work item (static; default ``default_block_rows(E, expected_rows)``).
+    int4_dequant: "registers": each step's tile is dequantised by inline PTX straight into the
+      MMA's A-operand registers, every weight's MMAs issued before one drain; "registers_serial":
+      the same, draining after each weight (114 registers a thread instead of 194: twice the
+      programs per SM); "smem": the plain-jnp form staged through shared memory (interpret
+      mode's default: it cannot run inline PTX). GPU default: ``default_int4_dequant``.
+    expected_rows: rows expected to be routed to these experts (static; default A). Under expert
+      parallelism, where most of A is other devices' padding, pass the local share (about
+      A x E / all experts): it sets the defaults of ``block_rows`` and ``int4_dequant``.
     tiles: ``KernelTiles`` (static); default ``default_tiles`` (tuned on the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
-  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles, interpret, False)
+  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
+                      False)
 
 
 def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, tiles, interpret,
@@ -570,10 +606,10 @@ def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, 
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "int4_dequant", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
 def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
-                                int4_dequant: str | None = None, tiles: KernelTiles | None = None,
-                                interpret=None):
+                                int4_dequant: str | None = None, expected_rows: int | None = None,
+                                tiles: KernelTiles | None = None, interpret=None):
   """``moe_experts`` plus the weight tiles each program loaded (the structural check).
 
   Returns:
@@ -581,7 +617,8 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
     pipeline steps each (output tile, work item) program ran, each loading one [64, block_k]
     tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
   """
-  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, tiles, interpret, True)
+  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
+                      True)
 
 
 def reference_experts(x_sorted, group_sizes, experts):

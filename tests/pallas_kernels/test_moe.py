@@ -196,6 +196,38 @@ def test_work_list_against_a_loop():
     assert len(expected_slots(sizes, 16, num_rows)) <= moe.max_work_items(10, num_rows, 16)
 
 
+def test_default_int4_form_follows_the_expected_programs_per_sm():
+  # 132 SMs off the GPU; gate/up has ceil(2048 / 64) = 32 output tiles per touched expert.
+  assert moe.default_int4_dequant(384, 8, 2048) == "registers"  # T = 1: ~8 experts, 253 programs
+  assert moe.default_int4_dequant(384, 136, 2048) == "registers_serial"  # T = 17: ~115 experts
+  assert moe.default_int4_dequant(48, 17, 2048) == "registers"  # the EP share at T = 17: ~14 experts
+  assert moe.default_int4_dequant(48, 136, 2048) == "registers_serial"  # ~45 experts, 1450 programs
+
+
+def test_expected_rows_sets_the_defaults_and_is_checked():
+  rng = np.random.default_rng(5)
+  order, sizes = routing(rng, 12, 2, E, (0, 2, 3), num_padded=0)
+  x = sorted_rows(rng, order, sizes, H)
+  experts = random_weights(5)
+  got = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=6, interpret=INTERPRET)
+  assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
+  with pytest.raises(ValueError, match="expected_rows"):
+    moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=0, interpret=INTERPRET)
+
+
+def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():
+  """Experts of 13 rows at unaligned starts: 16-row windows from 8-aligned starts split many of
+  them in two (each window reads the expert's weights again); the default R fits each expert in
+  one window."""
+  sizes = np.full(48, 13, np.int32)
+  num_rows = int(sizes.sum())
+  r = moe.default_block_rows(48, num_rows)
+  assert r == 32
+  live = lambda block_rows: int((np.asarray(moe.work_list(jnp.asarray(sizes), num_rows, block_rows).expert) >= 0).sum())
+  assert live(r) == 48
+  assert live(16) == len(expected_items(sizes, 16)) > 60  # starts 0, 13, 26, ...: offsets 0..7
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_only_touched_experts_are_read(fmt):
   """Fails for a kernel that visits every expert: exact per-program tile-load counts, and the
