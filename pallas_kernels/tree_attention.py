@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_jax.tree import window_mask_bits
+from pallas_kernels.gpu_info import num_sms
 
 LOG2E = math.log2(math.e)
 BLOCK_KV = 64  # KV positions per tile: the wgmma M dimension of S^T
@@ -98,16 +99,16 @@ class Plan:
   swizzle: int
   num_stages: int
   num_splits: int
-  rows_stored: int  # columns of O^T written per partial (< rows_per_tile only for one small tile)
+  rows_stored: int  # rows of O written per partial (< rows_per_tile only for one small tile)
   # Cross-warp reduction scratch. A reduction of S^T over its KV axis stages 1 KiB per 8 columns
   # (4 warps x 32 lanes x 2 floats) and runs as many rounds, each with two warpgroup barriers, as
   # the scratch needs to hold them all: Rt * 128 bytes make it one round (3 at Rt=48 by default).
   reduction_scratch: int
-  # Compute warpgroups; warpgroup w owns rows [w, w + 1) * Dv / value_wgs of O^T. Warpgroup 0
-  # alone computes S^T and the softmax and hands P and the rescale factors to warpgroup 1
-  # through shared memory: only one warpgroup ever runs a cross-warp reduction (Mosaic GPU gives
-  # every reduction the same static shared-memory scratch, so two reducing warpgroups would race),
-  # and the O^T accumulator of a 48-row tile fits two warpgroups' registers, not one's.
+  # Compute warpgroups. Warpgroup 0 alone computes S^T and the softmax and hands P and the
+  # rescale factors to warpgroup 1 through shared memory: only one warpgroup ever runs a
+  # cross-warp reduction (Mosaic GPU gives every reduction the same static shared-memory
+  # scratch, so two reducing warpgroups would race). Who accumulates O^T is ``options.pv``:
+  # warpgroup 1 alone (Kimi's 512 x 48 tile: 192 fp32 per thread) or half of Dv each.
   value_wgs: int
   partial_dtype: str = "float32"  # of the per-split outputs the epilogue merges
   options: "Options" = None  # see ``Options``; as ``plan`` resolved them
@@ -146,16 +147,6 @@ class Options:
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
-
-
-def _num_sms() -> int:
-  try:
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-      return int(device.core_count)
-  except Exception:  # pragma: no cover - no backend at all
-    pass
-  return 132  # an H100/H200; only the split heuristic uses it
 
 
 def _swizzle_for(*widths: int) -> int | None:
@@ -230,7 +221,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
         f"{key_width + value_width} (value width {value_dim}, rows_per_tile={rows_per_tile})")
   # Each row tile streams its request's KV into its SM once more and runs the per-tile chain of
   # warpgroup 0 over all of it (what bounds the kernel: the stream alone moved b1/32k/q17's
-  # 113 MB in 17 us, the whole kernel takes 36), so the fewest row tiles win; among equals the
+  # 113 MB in 17 us, the whole kernel 35), so the fewest row tiles win; among equals the
   # narrowest tile (least padding).
   rt, num_stages = min(fits, key=lambda o: (-(-rows // o[0]), o[0]))
   num_row_tiles = -(-rows // rt)
@@ -238,6 +229,10 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
   pv = options.pv
+  if len(options.regs) != 2 or any(r and not (24 <= r <= 256 and r % 8 == 0) for r in options.regs) or (
+      sum(r or 232 for r in options.regs) + 40 > 512):
+    raise ValueError(f"Options.regs={options.regs}: two register counts, each 0 (232) or a multiple of 8 "
+                     "in [24, 256], with the memory warpgroup's 40 at most 512 in all")
   if value_wgs == 1:
     pv = "split"  # one compute warpgroup does everything
   elif pv == "auto":
@@ -267,7 +262,7 @@ def _choose_splits(tiles: int, ctas_per_split: int) -> int:
   used to get one split per request); the 2% margin keeps the smaller count on near-ties, since
   every split adds a partial output to merge.
   """
-  sms = _num_sms()
+  sms = num_sms()
   start_up = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
   best, best_cost = 1, None
   for splits in range(1, max(1, min(tiles, 4 * sms)) + 1):

@@ -147,8 +147,22 @@ def test_all_tokens_on_one_expert(fmt):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_widest_work_items(fmt):
-  # 64-row items (the widest default): 70 rows on expert 2 make one full item and one partial.
+  # 64-row items (the widest default): experts 2 and 5 get 24 and 46 rows, one item each, the
+  # second's window moved back to end at the last row.
   check_case(fmt, 70, seed=9, interpret=INTERPRET, top_k=1, allowed=(2, 5), num_padded=2, block_rows=64)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_expert_over_two_windows_at_32_rows(fmt):
+  # 60 rows from row 7: windows from row 0 of 32 rows each, so the expert spans two items (the
+  # first holds 25 of its rows beside another expert's 7, the second 32, a third the last 3).
+  rng = np.random.default_rng(12)
+  sizes = np.array([7, 0, 0, 60, 0, 0], np.int32)
+  assert [(e, f, n) for e, f, n, _ in expected_slots(sizes, 32, 70) if e == 3] == [(3, 7, 25), (3, 32, 32), (3, 64, 3)]
+  x = sorted_rows(rng, np.zeros(70), sizes, H)
+  experts = as_format(random_weights(12), fmt)
+  got = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=32, interpret=INTERPRET)
+  assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
 
 
 def expected_items(sizes, block_rows):
@@ -205,14 +219,20 @@ def test_default_int4_form_follows_the_expected_programs_per_sm():
 
 
 def test_expected_rows_sets_the_defaults_and_is_checked():
+  # 200 rows on E = 6 experts: from A the default is 64 rows per item; from expected_rows=6 (the
+  # local share under expert parallelism) it is 16, which the work list's static length shows.
   rng = np.random.default_rng(5)
-  order, sizes = routing(rng, 12, 2, E, (0, 2, 3), num_padded=0)
+  order, sizes = routing(rng, 100, 2, E, (0, 2, 3), num_padded=0)
   x = sorted_rows(rng, order, sizes, H)
   experts = random_weights(5)
-  got = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=6, interpret=INTERPRET)
+  assert moe.default_block_rows(E, len(order)) == 64 and moe.default_block_rows(E, 6) == 16
+  got, gate_up_steps, _ = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, expected_rows=6,
+                                                          interpret=INTERPRET)
+  assert gate_up_steps.shape[1] == moe.max_work_items(E, len(order), 16) != moe.max_work_items(E, len(order), 64)
   assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
-  with pytest.raises(ValueError, match="expected_rows"):
-    moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=0, interpret=INTERPRET)
+  for bad in (0, 4.0):
+    with pytest.raises(ValueError, match="expected_rows"):
+      moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=bad, interpret=INTERPRET)
 
 
 def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():

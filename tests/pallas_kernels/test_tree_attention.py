@@ -121,7 +121,8 @@ def test_mla_any_visibility_relation_and_more_splits_than_tiles():
 
 @pytest.mark.parametrize("options", [ta.Options(lazy_sum=True, merge="pairwise"),
                                      ta.Options(lazy_sum=False, merge="two_pass",
-                                                reduction_scratch=2048)])
+                                                reduction_scratch=2048),
+                                     ta.Options(pv="split"), ta.Options(pv="split", lazy_sum=False)])
 def test_mla_kernel_options(options):
   # Both settings of each kernel variant the benchmark compares (the softmax sum per tile or once
   # at the end, the two merges, one or several reduction rounds).
@@ -215,12 +216,17 @@ def test_window_mask_bits_unpack_to_window_mask():
 
 
 def test_plan_table():
-  # Kimi (R=512): two value warpgroups hold O^T of a 48-row tile (96 registers per thread each);
+  # Kimi (R=512): warpgroup 1 alone holds O^T of a 48-row tile (192 registers per thread);
   # 48 rows fit shared memory beside two 73.7 KB KV stages, so 8 heads x 17 nodes = 136 rows
   # take 3 tiles (the fewest), and 72 rows (Q=9) take 2 of 40.
   kimi = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
                  shared_value=True, cache_len=32768)
   assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.value_wgs) == (48, 3, 2)
+  assert kimi.options.pv == "value_wg"
+  for regs in ((250, 250), (232, 240 + 8), (100,)):  # not a multiple of 8 / over 512 in all / one count
+    with pytest.raises(ValueError, match="Options.regs"):
+      ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512, shared_value=True,
+              cache_len=32768, options=ta.Options(regs=regs))
   assert kimi.swizzle == 128 and kimi.num_stages == 2 and kimi.num_splits * 3 >= 100
   # One cross-warp reduction round per max (6 KiB of scratch still fits) and the lazy softmax sum.
   assert kimi.reduction_scratch == 48 * 128 and kimi.options.lazy_sum
