@@ -13,10 +13,11 @@ the experts touched. Here work follows them:
   windows of ``block_rows`` (R) rows of x_sorted, starting at its first row rounded down to 8 (the
   bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
   Slots are grouped per expert in expert order; the list has a static length (``max_work_items``),
-  and slots without rows (an expert's spare last slot, and the tail) are marked ``-1``. The list is three small masked-sum fusions (no cumsum, searchsorted or
-  gather kernels), and no rows are gathered: the gate/up kernel loads each item's R-row block
-  straight from x_sorted. A block's rows of other experts cost no extra MMA work and their
-  results are never read (each MMA output column depends only on its own row).
+  and slots without rows (an expert's spare last slot, and the tail) are marked ``-1``. The list
+  is three small masked-sum fusions (no cumsum, searchsorted or gather kernels), and no rows are
+  gathered: the gate/up kernel loads each item's R-row block straight from x_sorted. A block's
+  rows of other experts cost no extra MMA work and their results are never read (each MMA
+  output column depends only on its own row).
 * **Kernels**: one program per (output tile, work item). A program whose item is ``-1`` exits
   before loading anything, so weight tiles are read only for touched experts, once per item.
   The weight tile is the MMA's M side (64 output features) and the item's rows its N side
@@ -103,7 +104,7 @@ def default_block_rows(num_experts: int, num_rows: int) -> int:
 
 
 class WorkList(NamedTuple):
-  expert: jax.Array  # int32[W]: the item's expert; -1 for a slot without rows (between experts or in the tail)
+  expert: jax.Array  # int32[W]: the item's expert; -1: a slot without rows (between experts, tail)
   first_row: jax.Array  # int32[W]: its first row in x_sorted
   num_rows: jax.Array  # int32[W]: its rows (0 where expert is -1)
   block_start: jax.Array  # int32[W]: first row of the R-row block of x_sorted the kernel loads for it
@@ -132,8 +133,8 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   one fusion computes every prefix sum; a slot whose window starts past the expert's last row
   (possible only for the last one) is marked -1 like the unused tail. The static bound is loose
   by up to 7 rows per expert: at 384 experts and T = 136, 620 slots for ~363 live items; dead
-  programs exit before loading anything (their cost is inside the bench numbers). The fields are masked sums
-  over [E, E], [W, E] and [A, E]: three small fusions. (XLA's cumsum is a reduce-window kernel of
+  programs exit before loading anything (their cost is inside the bench numbers). The fields are
+  masked sums over [E, E], [W, E] and [A, E]: three small fusions. (XLA's cumsum is a reduce-window kernel of
   ~10 us on the H200; the earlier cumsum/searchsorted/gather form launched nine small kernels.)
   """
   e = group_sizes.shape[0]
