@@ -20,8 +20,9 @@ it moves 1024 of the 1152 bytes per token and is a lower bound on its cost for t
 
 Writes ``bench_tree_attention.json`` and ``.md`` (``.png`` with ``--plot``). Cells run in priority
 order (the issue's goal cells first) until ``--budget-s`` runs out; skipped cells are listed.
-``--variants`` then times kernel options and probes side by side (``variant_list``: the previous
-kernel's division of V^T P^T, and probes that leave the loads, the compute or the softmax out);
+``--variants`` then times kernel forms and probes side by side (``variant_list``: the transposed
+kernel "rows_n" and the 64-row-tile kernel "rows_m" at each listed cell, and probes that leave
+the loads, the compute or the P V products out);
 each row's ``breakdown_us`` in the JSON lists every kernel of the call with its median time.
 Each row's ``time_us`` is the whole call (index prep, kernel and merge) timed as one.
 """
@@ -228,18 +229,23 @@ def decode_attention(heads, batch, cached, c_kv, prefix):
 
 
 def variant_list():
-  """(cell, label, run_cell keywords): kernel options and timing probes beside the default.
+  """(cell, label, run_cell keywords): kernel forms and timing probes beside the default.
 
-  "pv split" is the previous kernel's division of V^T P^T (each compute warpgroup half of Dv;
-  the default now gives all of it to warpgroup 1); the probes drop parts of the loop (wrong
+  "rows_n" is the previous kernel (query rows on the wgmma N side: S^T = K Q^T, O^T = V^T P^T);
+  "rows_m": 64-row tiles on the M side (S = Q K^T, O = P V; the default from 80 rows per group
+  where it needs no more row tiles). The probes (on the default) drop parts of the loop (wrong
   results) to show what each part costs.
   """
   O = ta.Options
   goal = (8, 1, 32768, 17)
-  return [(goal, "pv split (previous kernel)", dict(options=O(pv="split"))),
-          (goal, "probe: no loads", dict(options=O(probe="noload"))),
+  out = []
+  for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
+    out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))
+    out.append((cell, "rows_m", dict(options=O(form="rows_m"))))
+  out += [(goal, "probe: no loads", dict(options=O(probe="noload"))),
           (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
-          (goal, "probe: no softmax", dict(options=O(probe="nosoftmax")))]
+          (goal, "probe: no P V", dict(options=O(probe="nopv")))]
+  return out
 
 
 def run_variants(args, bandwidth, peak, results):

@@ -12,8 +12,24 @@ Layout of the work (why it is shaped this way):
     into shared memory serves all rows of a row tile at once. Every row tile re-reads the
     request's KV, so the plan takes the fewest row tiles that fit (48 rows for Kimi: 136 rows of
     Q=17 in 3 tiles; 32-row tiles needed 5).
-  * Transposed products. With 8 heads a tree of 9 nodes has only 72 rows, far fewer than the 64-row
-    minimum of a wgmma M dimension per tile, so the kernel computes scores transposed,
+  * Two forms (``Options.form``; ``plan`` picks). "rows_m" (``_kernel_rows_m``, the default for
+    Kimi from q_len 17 at 8 heads and for 64 heads: at least 80 rows per group and no more row
+    tiles than "rows_n") puts 64 query rows on the wgmma M side: ``S = Q K^T`` with Q [64, 576]
+    and the KV tile [64, 576] both in shared memory, the softmax row-wise in registers (each
+    row's 64 scores lie in one warp quad: shuffles, no shared memory), then ``O = P V`` with
+    V = the tile's ``c_kv`` columns. Warpgroup 0 computes S, the softmax and ``O[:, :256]`` with P
+    from registers, and hands P (bf16, one buffer) and the row rescale to warpgroup 1, which
+    computes ``O[:, 256:]`` with P from shared memory; O [64, 512] fp32 is 128 registers per
+    thread in each. Shared memory: the 73.7 KB query tile, two 73.7 KB KV stages and the 8 KB P:
+    231504 of the 232448 bytes a CTA may have (no third stage, no second P buffer).
+    H200 same-run, whole call (kernel) "rows_n" -> "rows_m": b1/32k/q17 42.3 (34.7) -> 39.5
+    (32.0) us, q33 67.6 -> 53.3, q65 106.8 -> 84.8, h64/q9 117.8 -> 83.3, b1/128k/q17 117.7 ->
+    104.1; q9 (72 rows, 2 tiles either way) 32.8 -> 35.7, so it stays "rows_n". A fourth
+    warpgroup (softmax only, two value warpgroups) does not compile: ptxas builds the kernel for
+    65536 / 512 = 128 registers per thread, and the [64, 256] fp32 wgmma needs 154.
+  * Transposed products ("rows_n", ``_kernel``). With 8 heads a tree of 9 nodes has only 72 rows,
+    far fewer than the 64-row minimum of a wgmma M dimension per tile, so the kernel computes
+    scores transposed,
     ``S^T[kv, rows] = K Q^T`` (KV positions on M, rows on N, which only needs multiples of 8), and
     the output transposed, ``O^T[dv, rows] = V^T P^T``. Both are wgmma with operands in shared
     memory (P stored ``[rows, kv]``, K-major); the softmax reduces over axis 0.
@@ -46,8 +62,17 @@ Layout of the work (why it is shaped this way):
     the 4 warps (through shared memory, two warpgroup barriers per round). The denominators are
     kept as a [64, Rt] elementwise sum and reduced once after the loop, and the reduction scratch
     holds all of a row tile's columns, so each KV tile runs one reduction in one round.
-  * What limits it (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): compute, not
-    the KV stream. The kernel takes 34.8 us, 33.4 with the loads left out, 17.3 with the compute
+  * What limits "rows_m" (H200, b1/32k/q17, same run): compute. Kernel 32.0 us, 31.5 with the
+    loads left out, 27.0 with the P V products left out, 18.7 with all compute left out (the KV
+    stream of 3 row tiles: each CTA waits ~1.5 us per 73.7 KB tile). So warpgroup 0's chain,
+    S (2.4 M MACs, ~0.8 us at the measured matmul peak) then the softmax and hand-off, costs
+    ~2 us per tile: the tensor cores idle during the softmax. The FlashAttention-3 remedy (issue
+    S of tile i + 1 before the softmax of tile i) needs tile i + 1 resident while tile i is in
+    use and its load started earlier, i.e. a third KV stage, which does not fit; the FlashMLA
+    remedy (both warpgroups compute S for alternate tiles and exchange the row maxima) was not
+    tried. The third row tile of q_len 17 (136 rows) holds 8 real rows of 64.
+  * What limits "rows_n" (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): compute,
+    not the KV stream. The kernel takes 34.8 us, 33.4 with the loads left out, 17.3 with the compute
     left out and 27.6 with the softmax left out, i.e. about 2.2 us of wgmma work per 64-column
     tile even without the softmax. Likely cause (not profiled): with the rows on the N side
     (N = 48), each tile re-reads the 55 KB query tile and, for each of V^T's 8 M-blocks, P^T from
@@ -112,6 +137,9 @@ class Plan:
   value_wgs: int
   partial_dtype: str = "float32"  # of the per-split outputs the epilogue merges
   options: "Options" = None  # see ``Options``; as ``plan`` resolved them
+  # "rows_n": the transposed kernel (rows on the wgmma N side, ``_kernel``); "rows_m": 64 query
+  # rows on the M side (``_kernel_rows_m``, see ``Options.form``).
+  form: str = "rows_n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +154,18 @@ class Options:
     alone, over all of Dv, so that warpgroup 0's per-tile chain is only S^T and the softmax
     (it runs ahead by up to two tiles while warpgroup 1 multiplies); "split": each warpgroup
     half of Dv (the previous kernel); "auto": "value_wg" where warpgroup 1's registers hold all
-    of O^T (Dv * Rt / 128 <= 192 fp32 per thread), else "split".
+    of O^T (Dv * Rt / 128 <= 192 fp32 per thread), else "split". Form "rows_m" takes only
+    "split"/"auto" (see ``_plan_rows_m`` for why a softmax-only warpgroup does not compile).
   regs: registers per thread of warpgroups 0 and 1 (setmaxnreg; with the memory warpgroup's 40
-    at most 512 in all); 0: 232 each.
+    at most 512 in all); 0: 232 each (form "rows_n" only).
   merge: "pairwise" (default: each split's weight 1 / sum_t 2^(lse_t - lse_s) in one fusion, and
     one weighted sum) or "two_pass" (max, then exponentials and sums: two more XLA kernels).
+  form: which kernel. "rows_n": the query rows on the wgmma N side (S^T = K Q^T, O^T = V^T P^T;
+    row tiles of any multiple of 8; ``_kernel``); "rows_m": 64 query rows per tile on the M side
+    (S = Q K^T with both operands in shared memory, O = P V with V from shared memory, each of
+    two warpgroups owning half of Dv; ``_kernel_rows_m``); "auto": "rows_m" where it applies (Dv
+    a multiple of 128, at most 512) and a group has at least ``rows_m_min`` rows, else "rows_n".
+  rows_m_min: rows per group (q_len x heads per group) from which "auto" takes "rows_m".
   probe: timing probes that give wrong results: "noload" (after the first stages the memory
     warpgroup only signals the stages, no copies: compute alone), "nocompute" (the compute
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
@@ -142,6 +177,8 @@ class Options:
   merge: str = "pairwise"
   reduction_scratch: int = 0  # bytes of cross-warp reduction scratch; 0: as much as helps and fits
   regs: tuple = (0, 0)
+  form: str = "auto"
+  rows_m_min: int = 80
   probe: str = ""
 
 
@@ -166,6 +203,27 @@ def _smem_bytes(rt: int, key_width: int, value_width: int, num_words: int, num_s
           + 2 * BLOCK_KV * rt * 2  # P^T, double-buffered
           + small((1 + num_words) * rt * 4) + small(3 * rt * 4) + 1024  # metadata, exchange, barriers
           + scratch)
+
+
+ROWS_M = 64  # query rows per tile of the "rows_m" form: the wgmma M dimension
+SMEM_LIMIT = 227 * 1024  # what Mosaic GPU lets one CTA allocate on the H100/H200
+
+
+def _smem_bytes_rows_m(key_width: int, value_width: int, num_words: int, num_stages: int) -> int:
+  """Shared memory of one CTA of the "rows_m" form (each buffer a whole 1 KiB, as allocated).
+
+  KV ring, query tile, P (one [64, 64] bf16 buffer), metadata and the rescale exchange, and 1 KiB
+  for the barriers. No reduction scratch: the softmax reduces within warp quads.
+  """
+  small = lambda nbytes: _round_up(nbytes, 1024)
+  return (num_stages * BLOCK_KV * (key_width + value_width) * 2 + ROWS_M * key_width * 2
+          + ROWS_M * BLOCK_KV * 2 + small((1 + num_words) * ROWS_M * 4) + small(2 * ROWS_M * 4)
+          + 1024)
+
+
+def _rows_m_applies(value_dim: int) -> bool:
+  """Each of two warpgroups owns Dv / 2 columns of O: a wgmma N of at most 256, whole 64s."""
+  return value_dim % 128 == 0 and value_dim <= 512
 
 
 def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim: int,
@@ -195,7 +253,20 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown merge {options.merge!r}")
   if partial_dtype not in ("float32", "bfloat16"):
     raise ValueError(f"partial_dtype must be 'float32' or 'bfloat16', got {partial_dtype!r}")
+  if options.form not in ("auto", "rows_n", "rows_m"):
+    raise ValueError(f"unknown form {options.form!r}")
   rows = q_len * heads_per_group
+  rows_m = None
+  if options.form == "rows_m" or (
+      options.form == "auto" and rows >= options.rows_m_min and _rows_m_applies(value_dim)
+      and rows_per_tile in (None, ROWS_M)):
+    rows_m = _plan_rows_m(rows=rows, q_len=q_len, num_work=num_work, key_dims=key_dims,
+                          value_dim=value_dim, shared_value=shared_value, cache_len=cache_len,
+                          num_splits=num_splits, partial_dtype=partial_dtype,
+                          rows_per_tile=rows_per_tile, options=options,
+                          required=options.form == "rows_m")
+    if options.form == "rows_m":
+      return rows_m
   # Two value warpgroups when each half of Dv is still a whole number of 64-row wgmma tiles.
   value_wgs = 2 if value_dim % 128 == 0 else 1
   key_width = sum(key_dims)
@@ -225,6 +296,10 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   # narrowest tile (least padding).
   rt, num_stages = min(fits, key=lambda o: (-(-rows // o[0]), o[0]))
   num_row_tiles = -(-rows // rt)
+  # "auto": the 64-row form where it needs no more row tiles than this one (Kimi at 8 heads from
+  # q_len 17, and 64 heads; not the demo model, whose 136-row tiles here would be 7 of 64).
+  if rows_m is not None and rows_m.num_row_tiles <= num_row_tiles:
+    return rows_m
   if num_splits is None:
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
@@ -244,7 +319,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   # tile).
   wg0_o_rows = value_dim // value_wgs if pv == "split" else 0
   lazy_sum = options.lazy_sum and (wg0_o_rows + 3 * BLOCK_KV) * rt // 128 <= 200
-  options = dataclasses.replace(options, lazy_sum=lazy_sum, pv=pv)
+  options = dataclasses.replace(options, lazy_sum=lazy_sum, pv=pv, form="rows_n")
   spare = SMEM_BUDGET - _smem_bytes(rt, key_width, value_width, num_words, num_stages)
   scratch = options.reduction_scratch or max(
       REDUCTION_SCRATCH_BYTES, min(rt * 128, (spare + REDUCTION_SCRATCH_BYTES) // 1024 * 1024))
@@ -252,6 +327,52 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
               num_stages=num_stages, num_splits=num_splits,
               rows_stored=rows_stored, reduction_scratch=scratch, value_wgs=value_wgs,
               partial_dtype=partial_dtype, options=options)
+
+
+def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, cache_len,
+                 num_splits, partial_dtype, rows_per_tile, options, required) -> Plan | None:
+  """The "rows_m" plan: 64-row tiles, two compute warpgroups, as many KV stages as fit (2-4).
+
+  Returns None where it does not apply and ``required`` is false (then ``plan`` falls back).
+  """
+  def fail(why):
+    if required:
+      raise ValueError(f"tree attention, form='rows_m': {why}")
+    return None
+
+  if not _rows_m_applies(value_dim):
+    return fail(f"value width {value_dim} is not a multiple of 128 up to 512")
+  if rows_per_tile not in (None, ROWS_M):
+    return fail(f"rows_per_tile must be {ROWS_M}, got {rows_per_tile}")
+  if options.probe == "nosoftmax":
+    return fail(f"probe {options.probe!r} applies to form='rows_n' only")
+  # Warpgroup 0 owns half of O beside S and the softmax. A softmax-only warpgroup beside two
+  # value warpgroups (4 warpgroups, pv="value_wg") does not compile: ptxas builds the whole kernel
+  # for 65536 / 512 = 128 registers per thread, and a [64, 256] fp32 wgmma needs 154 (H200).
+  if options.pv == "value_wg":
+    return fail("pv='value_wg' (a fourth warpgroup) needs more than the 128 registers per "
+                "thread that ptxas allows 512 threads")
+  if options.regs != (0, 0):
+    return fail("Options.regs applies to form='rows_n' only (rows_m: 232 and 232)")
+  swizzle = _swizzle_for(*key_dims, value_dim, BLOCK_KV)
+  if swizzle is None:
+    return fail(f"feature widths {key_dims}, {value_dim} are not multiples of 16")
+  key_width = sum(key_dims)
+  value_width = 0 if shared_value else value_dim
+  num_words = -(-q_len // 32)
+  stages = [s for s in (4, 3, 2)
+            if _smem_bytes_rows_m(key_width, value_width, num_words, s) <= SMEM_LIMIT]
+  if not stages:
+    return fail(f"two {BLOCK_KV}-row KV stages of width {key_width + value_width} and a "
+                f"{ROWS_M}-row query tile do not fit {SMEM_LIMIT} bytes of shared memory")
+  num_row_tiles = -(-rows // ROWS_M)
+  if num_splits is None:
+    num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
+  options = dataclasses.replace(options, form="rows_m", pv="split", lazy_sum=False)
+  return Plan(rows_per_tile=ROWS_M, num_row_tiles=num_row_tiles, swizzle=swizzle,
+              num_stages=stages[0], num_splits=num_splits, rows_stored=ROWS_M,
+              reduction_scratch=0, value_wgs=2, partial_dtype=partial_dtype, options=options,
+              form="rows_m")
 
 
 def _choose_splits(tiles: int, ctas_per_split: int) -> int:
@@ -271,6 +392,77 @@ def _choose_splits(tiles: int, ctas_per_split: int) -> int:
     if best_cost is None or cost < best_cost * 0.98:
       best, best_cost = splits, cost
   return best
+
+
+def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_len: int):
+  """This CTA's KV columns: (pool slot, window start, end ``hi``, tile count, first tile that
+  needs the window masks, ``tile_start(i)`` -> (nominal first column, clamped load start))."""
+  bk = BLOCK_KV
+  pool_slot = meta_ref[bg, 0, 1 + num_words, 0]
+  window_start = meta_ref[bg, 0, 1 + num_words, 1]
+  live = meta_ref[bg, 0, 1 + num_words, 2]
+  # Equal tile-aligned ranges of this request's live columns, one per split.
+  per_split = lax.div(lax.div(live + num_splits - 1, num_splits) + bk - 1, bk) * bk
+  lo = split * per_split
+  hi = jnp.minimum(lo + per_split, live)
+  num_tiles = jnp.maximum(lax.div(hi - lo + bk - 1, bk), 0)
+  # First tile that reaches the window or the split's end: the tiles before it lie whole inside
+  # [lo, hi) and the committed prefix (nothing clamped), so only the per-row prefix cut masks them
+  # (it hides the prefix from padded rows); later tiles check the range and the packed bits.
+  # Tile i is such a tile iff lo + (i + 1) * bk > min(window_start, hi).
+  before = jnp.minimum(window_start, hi) - lo - bk
+  first_window_tile = jnp.clip(jnp.where(before < 0, 0, lax.div(before, bk) + 1), 0, num_tiles)
+
+  def tile_start(i):
+    """Nominal first column of tile i, and where its load starts (clamped inside the pool)."""
+    nominal = lo + i * bk
+    return nominal, jnp.minimum(nominal, cache_len - bk)
+
+  return pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start
+
+
+def _stream_kv(*, plan: Plan, q_refs, q_smem, meta_ref, meta_smem, q_barrier, sources,
+               destinations, loaded, consumed, bg, row_tile, group, pool_slot, num_words,
+               num_tiles, tile_start):
+  """The memory warpgroup: the query tile and metadata, then KV tiles into the stage ring."""
+  plgpu.set_max_registers(40, action="decrease")
+  rt_rows, bk, num_stages = plan.rows_per_tile, BLOCK_KV, plan.num_stages
+  row0 = row_tile * rt_rows
+  for part in range(len(q_refs)):
+    plgpu.copy_gmem_to_smem(q_refs[part].at[bg, pl.ds(row0, rt_rows)], q_smem[part], q_barrier)
+  plgpu.copy_gmem_to_smem(meta_ref.at[bg, row_tile, pl.ds(0, 1 + num_words)], meta_smem,
+                          q_barrier)
+
+  def copy(i, stage):
+    _, start = tile_start(i)
+    for src, dst in zip(sources, destinations):
+      plgpu.copy_gmem_to_smem(src.at[pool_slot, pl.ds(start, bk), group], dst.at[stage],
+                              loaded.at[stage])
+
+  def load(i, _):
+    stage = lax.rem(i, num_stages)
+
+    @pl.when(i >= num_stages)
+    def _():
+      plgpu.barrier_wait(consumed.at[stage])
+
+    if plan.options.probe == "noload":
+      pl.when(i < num_stages)(lambda: copy(i, stage))
+
+      @pl.when(i >= num_stages)
+      def _():
+        for _ in sources:
+          plgpu.barrier_arrive(loaded.at[stage])
+    else:
+      copy(i, stage)
+
+  lax.fori_loop(0, num_tiles, load, None)
+
+  # Observe every completion of the consumed barriers before the kernel ends.
+  def drain(i, _):
+    plgpu.barrier_wait(consumed.at[lax.rem(i, num_stages)])
+
+  lax.fori_loop(jnp.maximum(num_tiles - num_stages, 0), num_tiles, drain, None)
 
 
 def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
@@ -315,26 +507,9 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   row_tile = lax.axis_index("rt")
   wg = lax.axis_index("wg")
   group = lax.rem(bg, num_groups)
-  pool_slot = meta_ref[bg, 0, 1 + num_words, 0]
-  window_start = meta_ref[bg, 0, 1 + num_words, 1]
-  live = meta_ref[bg, 0, 1 + num_words, 2]
-  # Equal tile-aligned ranges of this request's live columns, one per split.
-  per_split = lax.div(lax.div(live + plan.num_splits - 1, plan.num_splits) + bk - 1, bk) * bk
-  lo = split * per_split
-  hi = jnp.minimum(lo + per_split, live)
-  num_tiles = jnp.maximum(lax.div(hi - lo + bk - 1, bk), 0)
-  # First tile that reaches the window or the split's end: the tiles before it lie whole inside
-  # [lo, hi) and the committed prefix (nothing clamped), so only the per-row prefix cut masks them
-  # (it hides the prefix from padded rows); later tiles check the range and the packed bits.
-  # Tile i is such a tile iff lo + (i + 1) * bk > min(window_start, hi).
-  before = jnp.minimum(window_start, hi) - lo - bk
-  first_window_tile = jnp.clip(jnp.where(before < 0, 0, lax.div(before, bk) + 1), 0, num_tiles)
+  pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start = _split_range(
+      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len)
   reduce0 = plgpu.Layout.WGMMA.reduce(0)
-
-  def tile_start(i):
-    """Nominal first column of tile i, and where its load starts (clamped inside the pool)."""
-    nominal = lo + i * bk
-    return nominal, jnp.minimum(nominal, cache_len - bk)
 
   def add_values(acc, stage, buf, which: int):
     """``acc [Dv / vw, Rt] += V^T[which slice] P^T[buf]`` (V^T read from the KV stage)."""
@@ -358,46 +533,12 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
   @pl.when(wg == vw)
   def _memory_wg():
-    plgpu.set_max_registers(40, action="decrease")
-    row0 = row_tile * rt_rows
-    for part in range(n):
-      plgpu.copy_gmem_to_smem(q_refs[part].at[bg, pl.ds(row0, rt_rows)], q_smem[part], q_barrier)
-    plgpu.copy_gmem_to_smem(meta_ref.at[bg, row_tile, pl.ds(0, 1 + num_words)], meta_smem,
-                            q_barrier)
-
-    sources = list(key_refs) + ([] if shared_value else [value_ref])
-    destinations = list(key_smem) + ([] if shared_value else [value_smem])
-
-    def copy(i, stage):
-      _, start = tile_start(i)
-      for src, dst in zip(sources, destinations):
-        plgpu.copy_gmem_to_smem(src.at[pool_slot, pl.ds(start, bk), group], dst.at[stage],
-                                loaded.at[stage])
-
-    def load(i, _):
-      stage = lax.rem(i, num_stages)
-
-      @pl.when(i >= num_stages)
-      def _():
-        plgpu.barrier_wait(consumed.at[stage])
-
-      if opts.probe == "noload":
-        pl.when(i < num_stages)(lambda: copy(i, stage))
-
-        @pl.when(i >= num_stages)
-        def _():
-          for _ in sources:
-            plgpu.barrier_arrive(loaded.at[stage])
-      else:
-        copy(i, stage)
-
-    lax.fori_loop(0, num_tiles, load, None)
-
-    # Observe every completion of the consumed barriers before the kernel ends.
-    def drain(i, _):
-      plgpu.barrier_wait(consumed.at[lax.rem(i, num_stages)])
-
-    lax.fori_loop(jnp.maximum(num_tiles - num_stages, 0), num_tiles, drain, None)
+    _stream_kv(plan=plan, q_refs=q_refs, q_smem=q_smem, meta_ref=meta_ref, meta_smem=meta_smem,
+               q_barrier=q_barrier, sources=list(key_refs) + ([] if shared_value else [value_ref]),
+               destinations=list(key_smem) + ([] if shared_value else [value_smem]),
+               loaded=loaded, consumed=consumed, bg=bg, row_tile=row_tile, group=group,
+               pool_slot=pool_slot, num_words=num_words, num_tiles=num_tiles,
+               tile_start=tile_start)
 
   @pl.when(wg == 0)
   def _softmax_wg():
@@ -526,6 +667,181 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       store_output(acc, 1 - pv_first, plgpu.load(exchange.at[2], layout=reduce0))
 
 
+def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
+                   num_groups: int, num_words: int, cache_len: int, scale: float,
+                   interpreted: bool):
+  """One CTA of the "rows_m" form: request-group ``bg``, KV split ``split``, 64-row tile ``rt``.
+
+  Warpgroup 0 computes ``S = Q K^T`` ([64 rows, 64 kv], both operands in shared memory) and the
+  online softmax (row-wise: each row's 64 scores lie in one warp quad, so the reductions are
+  shuffles, no shared memory), hands ``P`` (bf16) and the rescale factors to warpgroup 1 through
+  shared memory, and accumulates ``O[:, :Dv/2] += P V[:, :Dv/2]`` with P from registers;
+  warpgroup 1 accumulates ``O[:, Dv/2:]`` with P from shared memory; warpgroup 2 streams the
+  tiles (``_stream_kv``). Refs as in ``_kernel`` (row tile 64, rows_stored 64).
+  """
+  n = num_key_parts
+  q_refs = refs[:n]
+  key_refs = refs[n:2 * n]
+  rest = refs[2 * n:]
+  if shared_value:
+    value_ref = key_refs[0]
+  else:
+    value_ref, rest = rest[0], rest[1:]
+  o_ref, lse_ref = rest[0], rest[1]
+  (key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded, consumed, p_ready, p_free,
+   q_barrier, done) = rest[2:]
+  if shared_value:
+    value_smem = key_smem[0]
+
+  rows, bk = plan.rows_per_tile, BLOCK_KV
+  num_stages = plan.num_stages
+  opts = plan.options
+  dv_half = value_smem.shape[-1] // 2
+
+  bg = lax.axis_index("bg")
+  split = lax.axis_index("split")
+  row_tile = lax.axis_index("rt")
+  wg = lax.axis_index("wg")
+  group = lax.rem(bg, num_groups)
+  pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start = _split_range(
+      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len)
+  per_row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector, one entry per row of a WGMMA array
+
+  def add_values(acc, p, stage, half: int):
+    """``acc [64, Dv / 2] += P V[:, half]`` (P: bf16 registers or the shared buffer)."""
+    v = value_smem.at[stage, :, pl.ds(half * dv_half, dv_half)]
+    return _accumulate(lambda acc_ref: plgpu.wgmma(acc_ref, p, v), acc, interpreted)
+
+  def rescale(acc, alpha):
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  def store_output(acc, half: int, inv_l):
+    out = rescale(acc, inv_l).astype(o_ref.dtype)
+    o_ref.at[bg, split, row_tile, :, pl.ds(half * dv_half, dv_half)][...] = out
+
+  def zero_acc():
+    return plgpu.layout_cast(jnp.zeros((rows, dv_half), jnp.float32), plgpu.Layout.WGMMA)
+
+  @pl.when(wg == 2)
+  def _memory_wg():
+    _stream_kv(plan=plan, q_refs=q_refs, q_smem=q_smem, meta_ref=meta_ref, meta_smem=meta_smem,
+               q_barrier=q_barrier, sources=list(key_refs) + ([] if shared_value else [value_ref]),
+               destinations=list(key_smem) + ([] if shared_value else [value_smem]),
+               loaded=loaded, consumed=consumed, bg=bg, row_tile=row_tile, group=group,
+               pool_slot=pool_slot, num_words=num_words, num_tiles=num_tiles,
+               tile_start=tile_start)
+
+  @pl.when(wg == 0)
+  def _softmax_wg():
+    plgpu.set_max_registers(232, action="increase")
+    plgpu.barrier_wait(q_barrier)
+
+    def row_vector(r):
+      """Metadata row r as [64, 64], constant along the KV axis."""
+      return lax.broadcast_in_dim(plgpu.load(meta_smem.at[r], layout=per_row), (rows, bk), [0])
+
+    prefix_cut = row_vector(0)
+    kv_iota = plgpu.broadcasted_iota(jnp.int32, (rows, bk), 1, layout=plgpu.Layout.WGMMA)
+
+    def visible_window(col):
+      """Packed visibility bits of the window columns (col - window_start in [0, 32 W))."""
+      rel = col - window_start
+      seen = jnp.zeros((rows, bk), jnp.bool_)
+      for word in range(num_words):
+        shift = rel - 32 * word
+        inside = (shift >= 0) & (shift < 32)
+        bit = lax.shift_right_logical(row_vector(1 + word), jnp.clip(shift, 0, 31)) & 1
+        seen = seen | (inside & (bit != 0))
+      return seen
+
+    def step(i, carry, window: bool):
+      acc, m_run, l_run = carry
+      stage = lax.rem(i, num_stages)
+      nominal, start = tile_start(i)
+      plgpu.barrier_wait(loaded.at[stage])
+      if opts.probe == "nocompute":
+        plgpu.barrier_arrive(consumed.at[stage])
+        return carry
+
+      def scores(acc_ref):
+        for part in range(n):
+          plgpu.wgmma(acc_ref, q_smem[part], key_smem[part].at[stage].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((rows, bk), jnp.float32))
+      col = kv_iota + start
+      in_prefix = col < prefix_cut
+      if window:
+        vis = (col >= nominal) & (col < hi) & (in_prefix | visible_window(col))
+      else:
+        vis = in_prefix
+      s = jnp.where(vis, s * (scale * LOG2E), -jnp.inf)
+      m_new = jnp.maximum(m_run, s.max(axis=1))
+      # Rows that have seen no column yet keep m = -inf; exponentiate against 0 so no inf - inf.
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_run - m_safe)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+      l_run = l_run * alpha + p.sum(axis=1)
+      p16 = p.astype(jnp.bfloat16)
+
+      # The one P buffer was last read by warpgroup 1 for tile i - 1.
+      @pl.when(i >= 1)
+      def _():
+        plgpu.barrier_wait(p_free)
+
+      exchange.at[0][...] = alpha
+      p_smem[...] = p16
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      acc = rescale(acc, alpha)
+      if opts.probe != "nopv":
+        # The GPU interpreter of jax 0.11 takes a wgmma's A from shared memory only: there warpgroup
+        # 0 reads the P it just stored (the same bf16 values).
+        acc = add_values(acc, p_smem if interpreted else p16, stage, 0)
+      plgpu.barrier_arrive(consumed.at[stage])
+      return acc, m_new, l_run
+
+    m_run = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), per_row)
+    l_run = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), per_row)
+    carry = lax.fori_loop(0, first_window_tile, functools.partial(step, window=False),
+                          (zero_acc(), m_run, l_run))
+    acc, m_run, l_run = lax.fori_loop(first_window_tile, num_tiles,
+                                      functools.partial(step, window=True), carry)
+    empty = l_run == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
+    exchange.at[1][...] = inv_l
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(done)
+    store_output(acc, 0, inv_l)
+    lse_ref.at[bg, split, row_tile][...] = jnp.where(
+        empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
+
+  @pl.when(wg == 1)
+  def _values_wg():
+    plgpu.set_max_registers(232, action="increase")
+    half = 1
+
+    def step(i, acc):
+      stage = lax.rem(i, num_stages)
+      plgpu.barrier_wait(loaded.at[stage])
+      if opts.probe == "nocompute":
+        plgpu.barrier_arrive(consumed.at[stage])
+        return acc
+      plgpu.barrier_wait(p_ready)
+      acc = rescale(acc, plgpu.load(exchange.at[0], layout=per_row))
+      if opts.probe != "nopv":
+        acc = add_values(acc, p_smem, stage, half)
+      # Warpgroup 0 waits for this before storing the next tile's P (none after the last).
+      pl.when(i + 1 < num_tiles)(lambda: plgpu.barrier_arrive(p_free))
+      plgpu.barrier_arrive(consumed.at[stage])
+      return acc
+
+    acc = lax.fori_loop(0, num_tiles, step, zero_acc())
+    plgpu.barrier_wait(done)
+    store_output(acc, half, plgpu.load(exchange.at[1], layout=per_row))
+
+
+
 def _accumulate(issue, acc, interpreted: bool):
   """``acc + (what issue(acc_ref) adds)`` with the wgmma accumulating in place on the GPU.
 
@@ -580,6 +896,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   transforms = _transforms(pl_.swizzle)
   stages = pl_.num_stages
   shared_value = value_pool is None
+  rows_m = pl_.form == "rows_m"
   scratch = [
       tuple(plgpu.SMEM((stages, BLOCK_KV, d), jnp.bfloat16, transforms=transforms)
             for d in key_dims),
@@ -587,13 +904,16 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
                                            transforms=transforms),
       tuple(plgpu.SMEM((rt_rows, d), jnp.bfloat16, transforms=transforms) for d in key_dims),
       plgpu.SMEM((1 + num_words, rt_rows), jnp.int32),
-      plgpu.SMEM((2, rt_rows, BLOCK_KV), jnp.bfloat16, transforms=transforms),  # P, 2 buffers
-      plgpu.SMEM((3, rt_rows), jnp.float32),  # rescale factors (2 buffers), final 1 / l
+      # P: two [Rt, 64] buffers; "rows_m": one [64 rows, 64 kv] (no room for a second).
+      plgpu.SMEM((rt_rows, BLOCK_KV) if rows_m else (2, rt_rows, BLOCK_KV), jnp.bfloat16,
+                 transforms=transforms),
+      # Rescale factors (2 buffers; "rows_m": 1) and the final 1 / l.
+      plgpu.SMEM((2 if rows_m else 3, rt_rows), jnp.float32),
       plgpu.Barrier(num_arrivals=len(key_dims) + (0 if shared_value else 1),
                     num_barriers=stages),  # loaded
       plgpu.Barrier(num_arrivals=pl_.value_wgs, num_barriers=stages),  # consumed
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # p_ready
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # p_free
+      plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m else 2),  # p_ready
+      plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m else 2),  # p_free
       plgpu.Barrier(num_arrivals=len(key_dims) + 1),  # q_barrier
       plgpu.Barrier(num_arrivals=1),  # done
   ]
@@ -603,7 +923,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       jax.ShapeDtypeStruct((bg_count, pl_.num_splits, n_rt, rt_rows), jnp.float32),
   )
   body = functools.partial(
-      _kernel, plan=pl_, num_key_parts=len(key_dims), shared_value=shared_value,
+      _kernel_rows_m if rows_m else _kernel, plan=pl_, num_key_parts=len(key_dims), shared_value=shared_value,
       num_groups=num_groups, num_words=num_words, cache_len=cache_len, scale=float(scale),
       interpreted=interpret is not None)
   kernel = plgpu.kernel(

@@ -111,11 +111,13 @@ def test_mla_matches_reference_on_random_trees(q_len):
   assert_matches(got, want, valid)
 
 
-def test_mla_any_visibility_relation_and_more_splits_than_tiles():
+@pytest.mark.parametrize("form", ["rows_n", "rows_m"])
+def test_mla_any_visibility_relation_and_more_splits_than_tiles(form):
   # A non-tree visibility and 8 splits over at most 4 tiles: empty splits must merge away.
+  # "rows_m" forced on 21 rows: one 64-row tile, mostly padding rows past the queries' end.
   rng = np.random.default_rng(100)
-  got, want, valid = run_mla(rng, batch=2, q_len=7, heads=3, latent=64, rope=32, cache_len=250,
-                             num_splits=8, tree=False)
+  got, want, valid = run_mla(rng, batch=2, q_len=7, heads=3, latent=128, rope=32, cache_len=250,
+                             num_splits=8, tree=False, options=ta.Options(form=form))
   assert_matches(got, want, valid)
 
 
@@ -166,11 +168,22 @@ def test_mla_bf16_partial_outputs():
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
 
 
-def test_mla_kimi_widths_bf16_inputs():
-  # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree.
+@pytest.mark.parametrize("form", ["rows_n", "rows_m"])
+def test_mla_kimi_widths_bf16_inputs(form):
+  # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree:
+  # 136 rows in 3 tiles of 48 ("rows_n") or of 64 ("rows_m": 2 KV stages, one P buffer).
   rng = np.random.default_rng(7)
   got, want, valid = run_mla(rng, batch=2, q_len=17, heads=8, latent=512, rope=64, cache_len=136,
-                             num_splits=2, dtype=jnp.bfloat16)
+                             num_splits=2, dtype=jnp.bfloat16, options=ta.Options(form=form))
+  assert_matches(got, want, valid)
+
+
+def test_mla_rows_m_window_across_tiles():
+  # "rows_m" with 33 nodes x 4 heads = 132 rows (3 tiles, the last of 4 rows), two visibility
+  # words, random padding, and caches whose windows straddle 64-column tiles and splits.
+  rng = np.random.default_rng(31)
+  got, want, valid = run_mla(rng, batch=2, q_len=33, heads=4, latent=128, rope=32,
+                             cache_len=221, num_splits=3, options=ta.Options(form="rows_m"))
   assert_matches(got, want, valid)
 
 
@@ -182,10 +195,12 @@ def test_mla_demo_widths_full_budget():
   assert_matches(got, want, valid)
 
 
-@pytest.mark.parametrize("q_len,heads,groups", [(1, 4, 2), (9, 6, 2), (17, 4, 4)])
-def test_mha_matches_reference(q_len, heads, groups):
+@pytest.mark.parametrize("q_len,heads,groups,dim", [(1, 4, 2, 64), (9, 6, 2, 64), (17, 4, 4, 64),
+                                                  (17, 8, 2, 128)])
+def test_mha_matches_reference(q_len, heads, groups, dim):
+  # The last case has 68 rows per group and Dv 128: the "rows_m" form with a separate V tile.
   rng = np.random.default_rng(200 + q_len)
-  batch, dim, cache_len = 2, 64, 150
+  batch, cache_len = 2, 150
   slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
   q = jnp.asarray(rng.standard_normal((batch, q_len, heads, dim)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
@@ -216,24 +231,38 @@ def test_window_mask_bits_unpack_to_window_mask():
 
 
 def test_plan_table():
-  # Kimi (R=512): warpgroup 1 alone holds O^T of a 48-row tile (192 registers per thread);
-  # 48 rows fit shared memory beside two 73.7 KB KV stages, so 8 heads x 17 nodes = 136 rows
-  # take 3 tiles (the fewest), and 72 rows (Q=9) take 2 of 40.
+  # Kimi (R=512), form "rows_n": warpgroup 1 alone holds O^T of a 48-row tile (192 registers per
+  # thread); 48 rows fit shared memory beside two 73.7 KB KV stages, so 8 heads x 17 nodes = 136
+  # rows take 3 tiles (the fewest), and 72 rows (Q=9) take 2 of 40.
+  rows_n = ta.Options(form="rows_n")
   kimi = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
-                 shared_value=True, cache_len=32768)
-  assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.value_wgs) == (48, 3, 2)
+                 shared_value=True, cache_len=32768, options=rows_n)
+  assert (kimi.rows_per_tile, kimi.num_row_tiles, kimi.value_wgs, kimi.form) == (48, 3, 2, "rows_n")
   assert kimi.options.pv == "value_wg"
   for regs in ((250, 250), (232, 240 + 8), (100,)):  # not a multiple of 8 / over 512 in all / one count
     with pytest.raises(ValueError, match="Options.regs"):
       ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512, shared_value=True,
-              cache_len=32768, options=ta.Options(regs=regs))
+              cache_len=32768, options=ta.Options(regs=regs, form="rows_n"))
+  # By default ("auto") 136 rows take the 64-row form: 3 tiles, 2 KV stages (2 x 73.7 KB and
+  # the 73.7 KB query tile: 226 of 227 KiB), 3 warpgroups, no reduction scratch.
+  auto = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+                 shared_value=True, cache_len=32768)
+  assert (auto.form, auto.rows_per_tile, auto.num_row_tiles, auto.num_stages) == ("rows_m", 64, 3, 2)
+  assert (auto.options.pv, auto.reduction_scratch, auto.rows_stored) == ("split", 0, 64)
+  assert ta._smem_bytes_rows_m(576, 0, 1, 2) <= ta.SMEM_LIMIT < ta._smem_bytes_rows_m(576, 0, 1, 3)
+  with pytest.raises(ValueError, match="rows_m"):  # Dv 64: no two halves of whole wgmma tiles
+    ta.plan(q_len=17, heads_per_group=4, num_work=2, key_dims=(64,), value_dim=64,
+            shared_value=False, cache_len=4096, options=ta.Options(form="rows_m"))
+  with pytest.raises(ValueError, match="128 registers"):  # a fourth warpgroup: ptxas gives 128
+    ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+            shared_value=True, cache_len=32768, options=ta.Options(form="rows_m", pv="value_wg"))
   assert kimi.swizzle == 128 and kimi.num_stages == 2 and kimi.num_splits * 3 >= 100
   # One cross-warp reduction round per max (6 KiB of scratch still fits) and the lazy softmax sum.
   assert kimi.reduction_scratch == 48 * 128 and kimi.options.lazy_sum
   assert ta._smem_bytes(48, 576, 0, 1, 2, kimi.reduction_scratch) <= ta.SMEM_BUDGET
   nine = ta.plan(q_len=9, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
                  shared_value=True, cache_len=32768)
-  assert (nine.rows_per_tile, nine.num_row_tiles) == (40, 2)
+  assert (nine.rows_per_tile, nine.num_row_tiles, nine.form) == (40, 2, "rows_n")  # 72 < 80 rows
   # Batch 8 with long trees: several waves of splits rather than one split per request.
   long_trees = ta.plan(q_len=33, heads_per_group=8, num_work=8, key_dims=(512, 64),
                        value_dim=512, shared_value=True, cache_len=131072)
@@ -246,6 +275,7 @@ def test_plan_table():
   demo = ta.plan(q_len=65, heads_per_group=6, num_work=1, key_dims=(128, 32), value_dim=128,
                  shared_value=True, cache_len=4096)
   assert (demo.rows_per_tile, demo.num_row_tiles, demo.num_stages) == (136, 3, 4)
+  assert demo.form == "rows_n"  # "auto": 64-row tiles would need 7
   assert not demo.options.lazy_sum  # a third [64, 136] array would not fit warpgroup 0's registers
   # Head width 64 (the drafter's MHA): Dv / 2 is not a whole wgmma tile, so one value warpgroup.
   mha = ta.plan(q_len=17, heads_per_group=4, num_work=2, key_dims=(64,), value_dim=64,
