@@ -16,14 +16,21 @@ Roofline: bytes of the touched experts' weights in the format used (bf16: 2 byte
 INT4: half a byte plus a bf16 scale per 32) over the read-only stream bandwidth measured in the
 same run (a float32 sum over 4 GiB of bf16). Timing: one jitted executable runs the layer once
 on each of 16 distinct routings (so no call finds its experts in L2 from the one before), as a
-model step runs its layers: the time per call includes the plain-jnp work around the kernels and
-the launch gaps between them, and one host dispatch is shared by the 16 calls (dispatching each
-call separately costs more than the whole layer at small T). Median of 5 such steps. Writes
-``bench_moe.json`` and ``bench_moe.md``.
+model step runs its layers, and each cell is timed two ways (medians of 5 such steps):
+
+* GPU time (the fraction of the roofline is taken on it): the kernels of the step as CUPTI
+  records them, summed and divided by 16, the plain-jnp kernels around the Mosaic ones included,
+  as ``bench_tree_attention.py`` times its calls;
+* wall time per call: the step's wall clock over 16. It adds the host-side work XLA does per step
+  (argument handling, updating and launching the step's CUDA graph), which at small T is a large
+  part of the call (about 20-30 us per layer call on the H200; ``benchmarks/moe_timeline.py``).
+
+Writes ``bench_moe.json`` and ``bench_moe.md``.
 """
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import platform
@@ -36,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gpu_timing
 from models import kimi
 from pallas_kernels import moe
 
@@ -113,6 +121,14 @@ def timed_in_step(step, routings_, w, repeats=5):
     jax.block_until_ready(step(xs, gs, w))
     samples.append((time.perf_counter() - t0) / len(routings_))
   return statistics.median(samples)
+
+
+def device_in_step(step, routings_, w, repeats=5):
+  """(median GPU us per layer call of an ``in_step`` executable from CUPTI, {kernel kind: us},
+  kernels per call)."""
+  xs, gs = [r[0] for r in routings_], [r[1] for r in routings_]
+  us, kinds = gpu_timing.per_call_device_us(step, (xs, gs, w), calls=len(routings_), iterations=repeats)
+  return us, kinds
 
 
 def ceilings():
@@ -194,6 +210,10 @@ IMPLS = {
                                                         int4_dequant="registers"),
     "pallas_serial": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g),
                                                      int4_dequant="registers_serial"),
+    # The other launch order of the kernels' programs (``moe.KernelTiles.grid_order``).
+    "pallas_tile_minor": lambda x, g, w: moe.moe_experts(
+        x, g, w, expected_rows=expected_rows(x, g),
+        tiles=dataclasses.replace(moe.default_tiles(w), grid_order="tile_minor")),
     "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
     "ragged_dot_mgpu": ragged_dot_mgpu_layer,
 }
@@ -215,12 +235,13 @@ def run(args, out: Path):
   cells = []  # (E, T, fmt, impl)
   for e in args.experts:
     for t in args.tokens:
-      for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
-        if impl in args.impls and (impl != "ragged_dot_mgpu" or e != args.experts[0] or not args.mgpu_tokens
-                                   or t in args.mgpu_tokens):
+      for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "pallas_tile_minor"),
+                        ("int4", "pallas_tile_minor"), ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
+        mgpu_here = e != args.experts[0] or not args.mgpu_tokens or t in args.mgpu_tokens
+        if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
       for variant in ("pallas_registers", "pallas_serial"):
-        if variant in args.impls and t in args.variant_tokens:
+        if variant in args.impls and "int4" in args.formats and t in args.variant_tokens:
           cells.append((e, t, "int4", variant))
   data = {(e, t): routings(t, e, seed=1000 * e + t) for e in args.experts for t in args.tokens}
 
@@ -274,6 +295,11 @@ def run(args, out: Path):
         seconds = timed_in_step(fn, sets, w)
         row["time_us"] = seconds * 1e6
         row["roofline_fraction"] = row["roofline_us"] / row["time_us"]
+        try:
+          row["device_us"], row["device_kernels_us"] = device_in_step(fn, sets, w)
+          row["device_roofline_fraction"] = row["roofline_us"] / row["device_us"]
+        except Exception as err:  # the wall time stands; say why the GPU time is missing
+          row["device_error"] = f"{type(err).__name__}: {str(err)[:300]}"
       except Exception as err:
         row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
     print(json.dumps(row), flush=True)
@@ -299,46 +325,69 @@ def markdown(result) -> str:
       f"copy {caps['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), bf16 matmul "
       f"{caps['matmul_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s, measured in the same run.",
       "Roofline = bytes of the touched experts' weights (bf16: 2 B/weight; INT4: 0.5 B + a bf16 scale "
-      "per 32) / read-only stream bandwidth. Times: us per call, median of 5 steps of 16 calls in one executable (see the script).",
+      "per 32) / read-only stream bandwidth. Times: us per layer call, median of 5 steps of 16 calls in one "
+      "executable (see the script). GPU: the call's kernels summed (CUPTI), the fraction of the roofline beside it; "
+      "wall: the step's wall time per call (host-side dispatch and CUDA-graph launch included), its fraction in "
+      "parentheses.",
       "",
   ]
   by = {(r["experts"], r["tokens"], r["format"], r["impl"]): r for r in result["rows"]}
-  def cell(key):
-    r = by.get(key)
-    if r is None:
-      return "-"
-    if "time_us" not in r:
-      return "error" if "error" in r and "skipped" not in r["error"] else "skipped"
-    return f"{r['time_us']:.0f}"
+
+  def gpu(r):
+    return f"{r['device_us']:.0f}" if r and "device_us" in r else ("error" if r and "error" in r else "-")
+
+  def frac(r):
+    return f"{r['device_roofline_fraction']:.0%}" if r and "device_roofline_fraction" in r else "-"
+
+  def wall(r):
+    return f"{r['time_us']:.0f} ({r['roofline_fraction']:.0%})" if r and "time_us" in r else "-"
+
   for e in sorted({r["experts"] for r in result["rows"]}, reverse=True):
     lines += [f"## {e} experts", "",
-              "| T | distinct experts | bf16 roofline | pallas bf16 | of roofline | INT4 roofline | pallas INT4 "
-              "| of roofline | ragged_dot bf16 | ragged_dot_mgpu bf16 | ragged_dot / pallas bf16 |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| T | distinct experts | bf16 roofline | pallas bf16 GPU | of roofline | wall | INT4 roofline "
+              "| pallas INT4 GPU | of roofline | wall | ragged_dot bf16 GPU | ragged_dot_mgpu bf16 GPU "
+              "| ragged_dot / pallas bf16 |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in sorted({r["tokens"] for r in result["rows"] if r["experts"] == e}):
-      pb, pi, rd = (by.get((e, t, f, i)) for f, i in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "ragged_dot")))
+      pb, pi, rd, mg = (by.get((e, t, f, i)) for f, i in (("bf16", "pallas"), ("int4", "pallas"),
+                                                         ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")))
       ref = pb or pi or rd
-      frac = lambda r: f"{r['roofline_fraction']:.0%}" if r and "roofline_fraction" in r else "-"
-      speed = (f"{rd['time_us'] / pb['time_us']:.1f}x" if rd and pb and "time_us" in rd and "time_us" in pb else "-")
+      speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
+               else "-")
       lines.append(
-          f"| {t} | {ref['distinct_experts']:.1f} | {pb['roofline_us'] if pb else 0:.0f} | {cell((e, t, 'bf16', 'pallas'))} "
-          f"| {frac(pb)} | {pi['roofline_us'] if pi else 0:.0f} | {cell((e, t, 'int4', 'pallas'))} | {frac(pi)} "
-          f"| {cell((e, t, 'bf16', 'ragged_dot'))} | {cell((e, t, 'bf16', 'ragged_dot_mgpu'))} | {speed} |")
+          f"| {t} | {ref['distinct_experts']:.1f} | {pb['roofline_us'] if pb else 0:.0f} | {gpu(pb)} | {frac(pb)} "
+          f"| {wall(pb)} | {pi['roofline_us'] if pi else 0:.0f} | {gpu(pi)} | {frac(pi)} | {wall(pi)} "
+          f"| {gpu(rd)} | {gpu(mg)} | {speed} |")
     lines.append("")
-  errors = [r for r in result["rows"] if "error" in r]
+  lines += ["GPU time per call by kernel kind (us; INT4 pallas):", ""]
+  for r in result["rows"]:
+    if r["format"] == "int4" and r["impl"] == "pallas" and "device_kernels_us" in r:
+      kinds = ", ".join(f"{k} {v:.1f}" for k, v in list(r["device_kernels_us"].items())[:6])
+      lines.append(f"- E={r['experts']} T={r['tokens']}: {kinds}")
+  lines.append("")
+  errors = [r for r in result["rows"] if "error" in r or "device_error" in r]
   if errors:
     lines += ["Errors / skipped cells:", ""]
-    lines += [f"- E={r['experts']} T={r['tokens']} {r['format']} {r['impl']}: {r['error']}" for r in errors]
+    lines += [f"- E={r['experts']} T={r['tokens']} {r['format']} {r['impl']}: {r.get('error') or r['device_error']}"
+              for r in errors]
     lines.append("")
   if "rel_l2_vs_ragged_dot" in result.get("check", {}):
     lines.append(f"Check at K2.6 size: pallas bf16 vs ragged_dot relative L2 {result['check']['rel_l2_vs_ragged_dot']:.1e} "
                  f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
+  for fmt in ("bf16", "int4"):
+    pairs = [(r, by.get((r["experts"], r["tokens"], fmt, "pallas"))) for r in result["rows"]
+             if r["impl"] == "pallas_tile_minor" and r["format"] == fmt and "device_us" in r]
+    if pairs:
+      lines.append(f"{fmt} with `grid_order=\"tile_minor\"` (GPU us, and against the default): " + ", ".join(
+          f"E={r['experts']} T={r['tokens']} {r['device_us']:.0f}"
+          + (f" ({r['device_us'] / d['device_us']:.2f}x)" if d and "device_us" in d else "") for r, d in pairs) + ".")
   for impl, what in (("pallas_registers", "with both weights' MMAs in flight"),
                      ("pallas_serial", "draining the MMAs after each weight's tile")):
     rows = [r for r in result["rows"] if r["impl"] == impl and "time_us" in r]
     if rows:
       lines.append(f"INT4 {what} ({impl}): " + ", ".join(
-          f"E={r['experts']} T={r['tokens']} {r['time_us']:.0f} us ({r['roofline_fraction']:.0%})" for r in rows) + ".")
+          f"E={r['experts']} T={r['tokens']} GPU {r.get('device_us', float('nan')):.0f} us "
+          f"({r.get('device_roofline_fraction', float('nan')):.0%}), wall {r['time_us']:.0f} us" for r in rows) + ".")
   lines.append(f"Command: `PYTHONPATH=. python3 benchmarks/bench_moe.py {' '.join(result['argv'])}`")
   return "\n".join(lines) + "\n"
 
@@ -349,6 +398,7 @@ def main():
   parser.add_argument("--experts", type=int, nargs="+", default=[ALL_EXPERTS, 48])
   parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
   parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+  parser.add_argument("--formats", nargs="+", default=["bf16", "int4"], choices=["bf16", "int4"])
   parser.add_argument("--compile-threads", type=int, default=8)
   parser.add_argument("--variant-tokens", type=int, nargs="*", default=[1, 17, 136],
                       help="T at which to also time both INT4 forms forced (pallas_registers, pallas_serial)")

@@ -8,6 +8,11 @@ the time some kernel was running on the device, the device span from the first k
 the last one's end, the kernels launched, and the kernels that took the most time. It reads one
 step's device trace from ``jax.profiler`` (CUPTI). Wall well above span means time the GPU was
 never given work: host-side dispatch, not the kernels.
+
+It also times steps of 16 and of 64 layer calls and splits the wall time into a part per step and
+a part per call (the slope): what a layer call adds to a model step's wall time. The executable
+runs as one CUDA graph (XLA's command buffers), so host-side work per call (updating and
+launching the graph's nodes) shows in the slope even though the device trace has no gaps.
 """
 
 import glob
@@ -61,6 +66,12 @@ def main():
     s = summarize(device_events(step, [x for x, _, _ in sets], [g for _, g, _ in sets], weights), len(sets))
     print(f"{cell}: wall {wall_us:.0f} us/call; device busy {s['busy_us']:.0f} us/call, span {s['span_us']:.0f} "
           f"us/call, {s['kernels']:.1f} kernels/call; most time: {s['top_us']}", flush=True)
+    more = [r for k in range(1, 4) for r in bench_moe.routings(tokens, experts, seed=1000 * experts + tokens + 7 * k)]
+    step_us = {n: bench_moe.timed_in_step(bench_moe.in_step(bench_moe.IMPLS["pallas"]), (sets + more)[:n], weights,
+                                          repeats=7) * 1e6 * n for n in (16, 64)}
+    slope = (step_us[64] - step_us[16]) / 48
+    print(f"{cell}: steps of 16 / 64 calls {step_us[16]:.0f} / {step_us[64]:.0f} us: {slope:.0f} us per call "
+          f"(device busy {s['busy_us']:.0f}) and {step_us[16] - 16 * slope:.0f} us per step", flush=True)
 
 
 if __name__ == "__main__":

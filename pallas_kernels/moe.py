@@ -46,15 +46,17 @@ up front with clear errors (feature sizes multiples of 16, INT4 inputs multiples
 packed layout pads K to a multiple of 256 with zero weights).
 
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
-in one executable): bf16 runs at 69-84% of the touched experts' read roofline for T = 9..136 (61% at
-T = 1 with 384 experts); INT4 at 55-63% for T = 9..136 with 384 experts with both weights' MMAs
-in flight, 60% at T = 17 and 136 in the serial form the default picks there, and 53-60% for the
-48-expert share at T = 33..136. At
-small T the GPU runs the kernels back to back, yet a call's wall time is ~1.5x its device time
-(``benchmarks/moe_timeline.py``): host-side time, not the kernels; and too few programs for a
-few touched experts (two per SM) leave each program's serial dequantise-and-multiply chain
-exposed. Splitting K over idle programs was tried and did not pay (``tune_moe.md``). Each row's
-result depends only on its own input (fixed tiles, K in a fixed order), whatever the other rows.
+in one executable, GPU time from CUPTI): bf16 runs at 82-87% of the touched experts' read roofline
+for T = 1..136 with 384 experts and 84-86% for T = 9..136 with the 48-expert share; INT4 at 58-68%
+for T = 9..136 with 384 experts (52% at T = 1) and 62-67% for T = 33..136 with 48. Where few
+experts are touched, too few programs (two per SM) leave each one's serial dequantise-and-multiply
+chain exposed, and the plain-jnp work list, pad and take cost ~15 us a call; the down kernel loses
+efficiency as T grows (49% of its share at T = 136; likely L2 misses on its input rows under the
+launch order, see ``KernelTiles.grid_order``, not yet timed). Wall time per call is
+higher at small T: XLA's host-side work per node of the step's CUDA graph
+(``benchmarks/moe_timeline.py``). Splitting K over idle programs was tried and did not pay
+(``tune_moe.md``). Each row's result depends only on its own input (fixed tiles, K in a fixed
+order), whatever the other rows.
 """
 
 import dataclasses
@@ -193,6 +195,18 @@ class KernelTiles:
 
   gate_up: TileConfig
   down: TileConfig
+  # Launch order of the (output tile, work item) programs. Mosaic GPU runs the last grid axis
+  # fastest. "item_minor": consecutive programs take consecutive items of one output tile (what
+  # bench_moe.md was timed with), so an item's input rows are re-read once per sweep over all
+  # items and stay in L2 only while every item's rows fit there (the down kernel's rows are
+  # R x I bf16 per item: ~24 MB at 384 experts and T = 136, ~50 MB at T = 544). "tile_minor":
+  # consecutive programs take consecutive output tiles of one item, which reuse its rows while
+  # they are hot. Not yet timed on the GPU (see bench_moe's ``pallas_tile_minor``).
+  grid_order: str = "item_minor"
+
+  def __post_init__(self):
+    if self.grid_order not in ("item_minor", "tile_minor"):
+      raise ValueError(f"KernelTiles.grid_order={self.grid_order!r}: expected 'item_minor' or 'tile_minor'")
 
 
 # From benchmarks/tune_moe.py on the H200 (benchmarks/results/tune_moe.md). bf16: depths that
@@ -333,7 +347,8 @@ def _dequant_words_jnp(words_smem, scale_smem, block_k: int):
 
 
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
-                    block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret):
+                    block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
+                    grid_order: str = "item_minor"):
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
@@ -452,7 +467,10 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     scratch += [plgpu.SMEM((TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
   kernel = plgpu.kernel(
-      body, out_type=tuple(out_types), grid=(n_tiles, w_items), grid_names=("n", "w"),
+      body, out_type=tuple(out_types),
+      grid=(n_tiles, w_items) if grid_order == "item_minor" else (w_items, n_tiles),
+      grid_names=("n", "w") if grid_order == "item_minor" else ("w", "n"),
+      kernel_name="moe_gate_up" if fuse_silu else "moe_down",  # named in profiles (CUPTI, ncu)
       scratch_types=scratch, interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   outs = kernel(work_expert, *((block_start,) if direct else ()), x, *flat_weights)
@@ -596,7 +614,7 @@ def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, 
   """gate/up then down: bf16 x_sorted [>= R, H] -> bf16 [W * R, H] in the work layout."""
   tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
-                count_tile_loads=count_tile_loads)
+                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order)
   h = _grouped_kernel(x_sorted, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
                       cfg=tiles.gate_up, **common)
   h, h_loads = h if count_tile_loads else (h, None)

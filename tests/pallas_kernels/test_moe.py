@@ -249,9 +249,11 @@ def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_only_touched_experts_are_read(fmt):
+@pytest.mark.parametrize("grid_order", ["item_minor", "tile_minor"])
+def test_only_touched_experts_are_read(fmt, grid_order):
   """Fails for a kernel that visits every expert: exact per-program tile-load counts, and the
-  untouched experts' weights are NaN yet the output is finite and right."""
+  untouched experts' weights are NaN yet the output is finite and right; in both launch orders
+  (a program that read its tile and item indices swapped fails the counts)."""
   rng = np.random.default_rng(11)
   touched = (1, 4)
   order, sizes = routing(rng, 12, 1, E, touched, num_padded=2)
@@ -263,13 +265,13 @@ def test_only_touched_experts_are_read(fmt):
   else:
     poisoned = moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
                                  for m in (clean.gate, clean.up, clean.down)))
-  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned,
+  tiles = dataclasses.replace(moe.INT4_TILES if fmt == "int4" else moe.BF16_TILES, grid_order=grid_order)
+  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned, tiles=tiles,
                                                                  interpret=INTERPRET)
   assert_close(y, reference(x, sizes, clean), int(sizes.sum()))
   block_rows = moe.default_block_rows(E, len(order))
   items = expected_items(sizes, block_rows)
   assert len(items) == len(touched)  # 12 rows over two experts: one item each
-  tiles = moe.INT4_TILES if fmt == "int4" else moe.BF16_TILES
   gate_up_k, down_k = -(-H // tiles.gate_up.block_k), -(-I // tiles.down.block_k)
   for steps, n_out, k_steps in ((gate_up_steps, I, gate_up_k), (down_steps, H, down_k)):
     steps = np.asarray(steps)
@@ -385,6 +387,8 @@ def test_bad_inputs_raise_clear_errors():
     moe.moe_experts(x, sizes, moe.quantize_experts(*experts), interpret=INTERPRET)
   with pytest.raises(ValueError, match="int4_dequant"):
     moe.moe_experts(x, sizes, q, int4_dequant="registers", interpret=INTERPRET)
+  with pytest.raises(ValueError, match="grid_order"):
+    moe.KernelTiles(moe.BF16_TILES.gate_up, moe.BF16_TILES.down, grid_order="tiles_first")
   with pytest.raises(ValueError, match="weight_scale"):
     moe.int4_from_compressed_tensors(np.zeros((4, 8), np.int32), np.zeros((4, 3), ml_dtypes.bfloat16))
 
@@ -457,12 +461,14 @@ def test_gpu_kimi_dims(gpu, fmt, dequant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_gpu_tile_loads_follow_touched_experts(gpu, fmt):
+@pytest.mark.parametrize("grid_order", ["item_minor", "tile_minor"])
+def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, grid_order):
   rng = np.random.default_rng(4)
   order, sizes = routing(rng, 9, 8, 384, num_padded=1)
   x = sorted_rows(rng, order, sizes, 256)
   experts = as_format(random_weights(4, num_experts=384, hidden=256, inter=128), fmt)
-  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts)
+  tiles = dataclasses.replace(moe.default_tiles(experts), grid_order=grid_order)
+  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, tiles=tiles)
   assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
   items = len(expected_items(sizes, moe.default_block_rows(384, len(order))))
   assert (np.asarray(gate_up_steps) > 0).sum() == items * 2  # I = 128: two output tiles
