@@ -54,9 +54,11 @@ chain exposed, and the plain-jnp work list, pad and take cost ~15 us a call; the
 efficiency as T grows (49% of its share at T = 136; likely L2 misses on its input rows under the
 launch order, see ``KernelTiles.grid_order``, not yet timed). Wall time per call is
 higher at small T: XLA's host-side work per node of the step's CUDA graph
-(``benchmarks/moe_timeline.py``). Splitting K over idle programs was tried and did not pay
-(``tune_moe.md``). Each row's result depends only on its own input (fixed tiles, K in a fixed
-order), whatever the other rows.
+(``benchmarks/moe_timeline.py``). A split of K over idle programs chosen per call did not pay
+with the earlier dequantisation (``tune_moe.md``, when the kernel was bound by its integer ALU
+work); a static split (``TileConfig.splits``) is an option for the few-programs regime, not yet
+timed. Each row's result depends only on its own input (fixed tiles, K splits and their sum in a
+fixed order), whatever the other rows.
 """
 
 import dataclasses
@@ -183,10 +185,23 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block, leaving room for ba
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-  """Static tiling of one kernel: input features per pipeline step and pipeline depth."""
+  """Static tiling of one kernel: input features per pipeline step, pipeline depth, and K splits.
+
+  ``splits`` > 1 gives each (output tile, work item) that many programs, each over an equal share
+  of the K steps (it must divide them), writing float32 partial sums that one XLA fusion adds in a
+  fixed order (so a row's result still depends on nothing but its own input). It is for the
+  few-programs regime (few touched experts, e.g. one decode token: 2 programs per SM leave each
+  one's dequantise-and-multiply chain exposed): more programs, and more warps per SM, for the same
+  weight bytes. Not yet timed on the GPU; the defaults keep 1.
+  """
 
   block_k: int
   stages: int
+  splits: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.splits, int) or self.splits < 1:
+      raise ValueError(f"TileConfig.splits={self.splits!r} must be a positive int")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +243,8 @@ def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, 
   else:
     weights = num_w * bk * TILE_N * 2
   per_stage = weights + block_rows * bk * 2
-  fixed = block_rows * TILE_N * 2 + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
+  out_tiles = block_rows * TILE_N * (2 if cfg.splits == 1 else 4 * num_w)  # bf16 result or f32 partials
+  fixed = out_tiles + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
   return stages * per_stage + fixed
 
 
@@ -258,6 +274,12 @@ def _swizzle_elems(*dims: int) -> int:
 
 def _bf16_transforms(atom: int):
   return (plgpu.TilingTransform((8, atom)), plgpu.SwizzleTransform(atom * 2))
+
+
+def _f32_transforms(minor: int):
+  """float32 tiles of ``minor`` (16 .. 128) columns: the widest swizzle (64 or 128 bytes) they span."""
+  atom = min(32, minor)
+  return (plgpu.TilingTransform((8, atom)), plgpu.SwizzleTransform(atom * 4))
 
 
 def _silu_mul(gate, up):
@@ -358,8 +380,10 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     weights: tuple of bf16 [E, K, N] (one or two of them), or of ``KernelInt4Matrix`` [E, N, K].
     fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
   Returns:
-    bf16 [W * R, N]; plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps
-    (each loading one tile of every weight) per program, 0 where the program skipped.
+    bf16 [W * R, N]; or, with ``cfg.splits`` S > 1, float32 [S, len(weights), N, W * R]: each
+    split's partial (x @ w)^T per weight (the sum, silu and transpose are the caller's). Plus, when
+    ``count_tile_loads``, int32 [S, ceil(N / 64), W]: pipeline steps (each loading one tile of
+    every weight) per program, 0 where the program skipped.
   """
   r, bk = block_rows, cfg.block_k
   w_items = work_expert.shape[0]
@@ -387,6 +411,11 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   else:
     x_atom = _swizzle_elems(k_in, n_out, TILE_N)
   out_atom = _swizzle_elems(n_out, TILE_N)
+  splits = cfg.splits
+  if k_steps % splits:
+    raise ValueError(f"TileConfig.splits={splits} must divide the {k_steps} K steps of {bk} features "
+                     f"(K = {k_in})")
+  split_steps = k_steps // splits
 
   def body(expert_ref, *refs):
     if direct:
@@ -396,15 +425,18 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     w_refs = refs[:len(flat_weights)]
     out_ref = refs[len(flat_weights)]
     count_ref = refs[len(flat_weights) + 1] if count_tile_loads else None
+    # out_smem: the bf16 result tile [R, TILE_N]; with K splits, a float32 tile [TILE_N, R] per weight.
     out_smem, *deq_smem = refs[len(flat_weights) + 1 + count_tile_loads:]
     n = lax.axis_index("n")
     w = lax.axis_index("w")
+    split = lax.axis_index("s")
+    k0 = split * split_steps  # this program's first K step
     expert = expert_ref[w]
 
     if count_tile_loads:
       @pl.when(expert < 0)
       def _():
-        count_ref[n, w] = jnp.int32(0)
+        count_ref[split, n, w] = jnp.int32(0)
 
     @pl.when(expert >= 0)
     def _():
@@ -434,42 +466,56 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
         if is_int4:
           in_specs = []
           for _ in range(num_w):
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, k), transforms=WORDS_TRANSFORMS))
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, k)))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, k0 + k),
+                                            transforms=WORDS_TRANSFORMS))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, k0 + k)))
         else:
-          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
+          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k0 + k, n), transforms=_bf16_transforms(x_atom),
                                       delay_release=1)
                       for _ in range(num_w)]
         # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
         start = pl.multiple_of(start_ref[w], ROW_ALIGN) if direct else w * r
         x_rows = x_ref.at[pl.ds(start, r)]
-        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, k), transforms=_bf16_transforms(x_atom),
+        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, k0 + k), transforms=_bf16_transforms(x_atom),
                                         delay_release=0 if is_int4 else 1))
-        steps = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
+        steps = plgpu.emit_pipeline(step, grid=(split_steps,), in_specs=in_specs,
                                     max_concurrent_steps=stages, init_carry=jnp.int32(0))(
                                         *[ref.at[expert] for ref in w_refs], x_rows)
         if count_tile_loads:
-          count_ref[n, w] = steps
+          count_ref[split, n, w] = steps
         return tuple(acc[...] for acc in accs)
 
       accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
-      result = _silu_mul(*accs) if fuse_silu else accs[0]
-      out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
+      rows, cols = pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)
+      if splits == 1:
+        result = _silu_mul(*accs) if fuse_silu else accs[0]
+        out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, cols])
+      else:
+        for i, acc in enumerate(accs):
+          out_smem[i][...] = acc
+        plgpu.commit_smem()
+        for i in range(num_w):
+          plgpu.copy_smem_to_gmem(out_smem[i], out_ref.at[split, i, cols, rows])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
+  if splits == 1:
+    out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
+    scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
+  else:
+    # Stored as the MMA leaves them, features-major (Mosaic GPU has no transposed float32 store).
+    out_types = [jax.ShapeDtypeStruct((splits, num_w, n_out, w_items * r), jnp.float32)]
+    scratch = [[plgpu.SMEM((TILE_N, r), jnp.float32, transforms=_f32_transforms(r)) for _ in range(num_w)]]
   if count_tile_loads:
-    out_types.append(jax.ShapeDtypeStruct((n_tiles, w_items), jnp.int32))
-  scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
+    out_types.append(jax.ShapeDtypeStruct((splits, n_tiles, w_items), jnp.int32))
   if smem_dequant:
     scratch += [plgpu.SMEM((TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
   kernel = plgpu.kernel(
       body, out_type=tuple(out_types),
-      grid=(n_tiles, w_items) if grid_order == "item_minor" else (w_items, n_tiles),
-      grid_names=("n", "w") if grid_order == "item_minor" else ("w", "n"),
+      grid=(splits, n_tiles, w_items) if grid_order == "item_minor" else (splits, w_items, n_tiles),
+      grid_names=("s", "n", "w") if grid_order == "item_minor" else ("s", "w", "n"),
       kernel_name="moe_gate_up" if fuse_silu else "moe_down",  # named in profiles (CUPTI, ncu)
       scratch_types=scratch, interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
@@ -611,18 +657,23 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
 
 def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, tiles, interpret,
                         count_tile_loads=False):
-  """gate/up then down: bf16 x_sorted [>= R, H] -> bf16 [W * R, H] in the work layout."""
+  """gate/up then down: bf16 x_sorted [>= R, H] -> bf16 [W * R, H] in the work layout (plus, when
+  ``count_tile_loads``, each kernel's steps per (output tile, item), summed over K splits)."""
   tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
                 count_tile_loads=count_tile_loads, grid_order=tiles.grid_order)
-  h = _grouped_kernel(x_sorted, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
-                      cfg=tiles.gate_up, **common)
-  h, h_loads = h if count_tile_loads else (h, None)
-  out = _grouped_kernel(h, work.expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
-  if count_tile_loads:
-    out, out_loads = out
-    return out, h_loads, out_loads
-  return out
+
+  def run(x, block_start, weights, fuse_silu, cfg):
+    outs = _grouped_kernel(x, work.expert, block_start, weights, fuse_silu=fuse_silu, cfg=cfg, **common)
+    out, loads = outs if count_tile_loads else (outs, None)
+    if cfg.splits > 1:  # float32 partials [S, weights, N, W * R], summed in split order
+      total = jnp.sum(out, axis=0)
+      out = (_silu_mul(*total) if fuse_silu else total[0]).T.astype(jnp.bfloat16)
+    return out, (None if loads is None else jnp.sum(loads, axis=0))
+
+  h, h_loads = run(x_sorted, work.block_start, (experts.gate, experts.up), True, tiles.gate_up)
+  out, out_loads = run(h, None, (experts.down,), False, tiles.down)
+  return (out, h_loads, out_loads) if count_tile_loads else out
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
@@ -633,8 +684,9 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
 
   Returns:
     (y [A, H], gate_up_steps int32 [ceil(I / 64), W], down_steps int32 [ceil(H / 64), W]): the
-    pipeline steps each (output tile, work item) program ran, each loading one [64, block_k]
-    tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
+    pipeline steps each (output tile, work item) ran (over its K splits' programs), each loading
+    one [64, block_k] tile of every weight of its kernel (gate and up, or down); 0 where the
+    programs skipped.
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
                       True)
