@@ -13,16 +13,21 @@ Layout of the work (why it is shaped this way):
     request's KV, so the plan takes the fewest row tiles that fit (48 rows for Kimi: 136 rows of
     Q=17 in 3 tiles; 32-row tiles needed 5).
   * Two forms (``Options.form``; ``plan`` picks). "rows_m" (``_kernel_rows_m``, the default for
-    Kimi from q_len 17 at 8 heads and for 64 heads: at least 80 rows per group and no more row
-    tiles than "rows_n") puts 64 query rows on the wgmma M side: ``S = Q K^T`` with Q [64, 576]
+    Kimi from q_len 17 at 8 heads and from q_len 2 at 64 heads: at least 80 rows per group and no
+    more row tiles than "rows_n") puts 64 query rows on the wgmma M side: ``S = Q K^T`` with Q [64, 576]
     and the KV tile [64, 576] both in shared memory, the softmax row-wise in registers (each
     row's 64 scores lie in one warp quad: shuffles, no shared memory), then ``O = P V`` with
     V = the tile's ``c_kv`` columns. Warpgroup 0 computes S, the softmax and ``O[:, :256]`` with P
     from registers, and hands P (bf16, one buffer) and the row rescale to warpgroup 1, which
     computes ``O[:, 256:]`` with P from shared memory; O [64, 512] fp32 is 128 registers per
     thread in each. Shared memory: the 73.7 KB query tile, two 73.7 KB KV stages and the 8 KB P:
-    231504 of the 232448 bytes a CTA may have (no third stage, no second P buffer).
-    H200 same-run, whole call (kernel) "rows_n" -> "rows_m": b1/32k/q17 42.3 (34.7) -> 39.5
+    231504 bytes as Mosaic GPU allocated them, of the 232448 (227 KiB) a CTA may have; the
+    planner's estimate (``_smem_bytes_rows_m``, small buffers rounded up to 1 KiB) is exactly
+    232448, so it checks against the whole limit, not "rows_n"'s 220 KiB budget (which keeps room
+    for the cross-warp reduction scratch "rows_m" does not use). No third stage, no second P
+    buffer. H200 same-run, whole call (kernel) "rows_n" -> "rows_m", timed with an earlier build
+    of this form (before a four-warpgroup variant was tried and removed; that build also took
+    groups from 64 rows, now 80; the committed code passed the GPU tests, not re-timed): b1/32k/q17 42.3 (34.7) -> 39.5
     (32.0) us, q33 67.6 -> 53.3, q65 106.8 -> 84.8, h64/q9 117.8 -> 83.3, b1/128k/q17 117.7 ->
     104.1; q9 (72 rows, 2 tiles either way) 32.8 -> 35.7, so it stays "rows_n". A fourth
     warpgroup (softmax only, two value warpgroups) does not compile: ptxas builds the kernel for
@@ -128,12 +133,14 @@ class Plan:
   # Cross-warp reduction scratch. A reduction of S^T over its KV axis stages 1 KiB per 8 columns
   # (4 warps x 32 lanes x 2 floats) and runs as many rounds, each with two warpgroup barriers, as
   # the scratch needs to hold them all: Rt * 128 bytes make it one round (3 at Rt=48 by default).
+  # "rows_n" only; "rows_m" reduces within warp quads and has 0 here.
   reduction_scratch: int
   # Compute warpgroups. Warpgroup 0 alone computes S^T and the softmax and hands P and the
   # rescale factors to warpgroup 1 through shared memory: only one warpgroup ever runs a
   # cross-warp reduction (Mosaic GPU gives every reduction the same static shared-memory
   # scratch, so two reducing warpgroups would race). Who accumulates O^T is ``options.pv``:
-  # warpgroup 1 alone (Kimi's 512 x 48 tile: 192 fp32 per thread) or half of Dv each.
+  # warpgroup 1 alone (Kimi's 512 x 48 tile: 192 fp32 per thread) or half of Dv each. In
+  # "rows_m" there are always two, each owning half of Dv.
   value_wgs: int
   partial_dtype: str = "float32"  # of the per-split outputs the epilogue merges
   options: "Options" = None  # see ``Options``; as ``plan`` resolved them
@@ -169,7 +176,7 @@ class Options:
   probe: timing probes that give wrong results: "noload" (after the first stages the memory
     warpgroup only signals the stages, no copies: compute alone), "nocompute" (the compute
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
-    no masks, reductions or exponentials), "nopv" (no V^T P^T products).
+    no masks, reductions or exponentials; form "rows_n" only), "nopv" (no V^T P^T products).
   """
 
   lazy_sum: bool = True
@@ -658,7 +665,9 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
         if opts.probe != "nopv":
           acc = add_values(acc, stage, buf, 1 - pv_first)
-        plgpu.barrier_arrive(p_free.at[buf])
+        # Only tile i + 2's hand-off waits for this buffer: one arrival per wait (the interpreter
+        # rejects a barrier phase nobody observes).
+        pl.when(i + 2 < num_tiles)(lambda: plgpu.barrier_arrive(p_free.at[buf]))
         plgpu.barrier_arrive(consumed.at[stage])
         return acc
 
@@ -839,7 +848,6 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
     acc = lax.fori_loop(0, num_tiles, step, zero_acc())
     plgpu.barrier_wait(done)
     store_output(acc, half, plgpu.load(exchange.at[1], layout=per_row))
-
 
 
 def _accumulate(issue, acc, interpreted: bool):

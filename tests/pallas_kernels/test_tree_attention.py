@@ -168,10 +168,14 @@ def test_mla_bf16_partial_outputs():
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
 
 
-@pytest.mark.parametrize("form", ["rows_n", "rows_m"])
+@pytest.mark.parametrize("form", ["rows_n", "auto"])
 def test_mla_kimi_widths_bf16_inputs(form):
   # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree:
-  # 136 rows in 3 tiles of 48 ("rows_n") or of 64 ("rows_m": 2 KV stages, one P buffer).
+  # 136 rows in 3 tiles of 48 ("rows_n") or of 64 ("rows_m", what the default picks here: 2 KV
+  # stages, one P buffer).
+  if form == "auto":
+    assert ta.plan(q_len=17, heads_per_group=8, num_work=2, key_dims=(512, 64), value_dim=512,
+                   shared_value=True, cache_len=136, num_splits=2).form == "rows_m"
   rng = np.random.default_rng(7)
   got, want, valid = run_mla(rng, batch=2, q_len=17, heads=8, latent=512, rope=64, cache_len=136,
                              num_splits=2, dtype=jnp.bfloat16, options=ta.Options(form=form))
@@ -195,10 +199,12 @@ def test_mla_demo_widths_full_budget():
   assert_matches(got, want, valid)
 
 
-@pytest.mark.parametrize("q_len,heads,groups,dim", [(1, 4, 2, 64), (9, 6, 2, 64), (17, 4, 4, 64),
-                                                  (17, 8, 2, 128)])
-def test_mha_matches_reference(q_len, heads, groups, dim):
-  # The last case has 68 rows per group and Dv 128: the "rows_m" form with a separate V tile.
+@pytest.mark.parametrize("q_len,heads,groups,dim,form", [
+    (1, 4, 2, 64, "auto"), (9, 6, 2, 64, "auto"), (17, 4, 4, 64, "auto"), (17, 8, 2, 128, "auto"),
+    (17, 8, 2, 128, "rows_m"), (9, 16, 2, 256, "rows_m")])
+def test_mha_matches_reference(q_len, heads, groups, dim, form):
+  # Separate V tiles. The default picks "rows_n" for all four auto cases (at most 68 rows per
+  # group); the last two force "rows_m" (Dv 128 and 256: two value halves of 64 and 128).
   rng = np.random.default_rng(200 + q_len)
   batch, cache_len = 2, 150
   slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
@@ -206,11 +212,46 @@ def test_mha_matches_reference(q_len, heads, groups, dim):
   k = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
   got = ta.mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, scale=0.125,
-                              interpret=INTERPRET, num_splits=2)
+                              interpret=INTERPRET, num_splits=2, options=ta.Options(form=form))
   check_no_races()
   want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
                                       valid, scale=0.125)
   assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
+
+
+def run_long_split(seed, *, q_len, heads, latent, rope, cache_len, prefix, form, dtype=jnp.float32):
+  """One split per request over many KV tiles (more than the pipeline's stages), keys growing
+  along the KV axis so the running max moves at every tile: stage reuse, P hand-off and the
+  rescales all run many times."""
+  rng = np.random.default_rng(seed)
+  batch = len(prefix)
+  slots, _, visibility, valid = random_window(rng, batch, q_len, cache_len)
+  prefix_len = jnp.asarray(prefix, jnp.int32)
+  q_lat = rng.standard_normal((batch, q_len, heads, latent)).astype(np.float32)
+  q_rope = rng.standard_normal((batch, q_len, heads, rope)).astype(np.float32)
+  c_kv = rng.standard_normal((batch + 2, cache_len, latent)).astype(np.float32)
+  k_pe = rng.standard_normal((batch + 2, cache_len, rope)).astype(np.float32)
+  k_pe *= np.linspace(0.5, 3.0, cache_len)[None, :, None]
+  scale = 1.5 / np.sqrt(latent + rope)
+  args = [jnp.asarray(x, dtype) for x in (q_lat, q_rope, c_kv, k_pe)]
+  got = ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=scale,
+                              interpret=INTERPRET, num_splits=1, options=ta.Options(form=form))
+  check_no_races()
+  want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid, scale=scale)
+  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
+
+
+@pytest.mark.parametrize("form", ["rows_n", "rows_m"])
+def test_long_split_demo_widths(form):
+  # Up to 8 tiles per CTA against 4 KV stages.
+  run_long_split(1, q_len=33, heads=4, latent=128, rope=32, cache_len=500, prefix=[450, 300], form=form)
+
+
+@pytest.mark.parametrize("form", ["rows_n", "rows_m"])
+def test_long_split_kimi_widths(form):
+  # Up to 5 tiles per CTA against 2 KV stages, bf16 inputs.
+  run_long_split(2, q_len=17, heads=8, latent=512, rope=64, cache_len=300, prefix=[280, 150], form=form,
+                 dtype=jnp.bfloat16)
 
 
 def test_window_mask_bits_unpack_to_window_mask():
@@ -244,7 +285,8 @@ def test_plan_table():
       ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512, shared_value=True,
               cache_len=32768, options=ta.Options(regs=regs, form="rows_n"))
   # By default ("auto") 136 rows take the 64-row form: 3 tiles, 2 KV stages (2 x 73.7 KB and
-  # the 73.7 KB query tile: 226 of 227 KiB), 3 warpgroups, no reduction scratch.
+  # the 73.7 KB query tile: the planner's estimate is the whole 227 KiB), 3 warpgroups, no
+  # reduction scratch.
   auto = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
                  shared_value=True, cache_len=32768)
   assert (auto.form, auto.rows_per_tile, auto.num_row_tiles, auto.num_stages) == ("rows_m", 64, 3, 2)
