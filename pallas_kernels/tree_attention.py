@@ -472,6 +472,32 @@ def _stream_kv(*, plan: Plan, q_refs, q_smem, meta_ref, meta_smem, q_barrier, so
   lax.fori_loop(jnp.maximum(num_tiles - num_stages, 0), num_tiles, drain, None)
 
 
+def _tile_visibility(col, prefix_cut, window=None):
+  """Which (row, column) pairs of a KV tile are attended: columns below the row's prefix cut, and,
+  on the tiles that reach the tree window (``window`` = (first window column, live end,
+  visible_window(col)); None elsewhere), window columns whose packed visibility bit is set."""
+  in_prefix = col < prefix_cut
+  if window is None:
+    return in_prefix
+  nominal, hi, visible_window = window
+  return (col >= nominal) & (col < hi) & (in_prefix | visible_window(col))
+
+
+def _online_softmax_tile(s, visible, m_run, scale, kv_axis: int):
+  """One KV tile of the base-2 online softmax: (new row max, rescale of the earlier tiles, P).
+
+  ``s``: scores with the KV positions on ``kv_axis`` (0 in "rows_n"'s transposed tiles, 1 in
+  "rows_m"'s); ``m_run``: the running row max.
+  """
+  s = jnp.where(visible, s * (scale * LOG2E), -jnp.inf)
+  m_new = jnp.maximum(m_run, s.max(axis=kv_axis))
+  # Rows that have seen no column yet keep m = -inf; exponentiate against 0 so no inf - inf.
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m_run - m_safe)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1 - kv_axis]))
+  return m_new, alpha, p
+
+
 def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
             num_groups: int, num_words: int, cache_len: int, scale: float, interpreted: bool):
   """One CTA: request-group ``bg``, KV split ``split``, row tile ``rt``.
@@ -587,18 +613,8 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
       if opts.probe == "nosoftmax":
         ones = plgpu.layout_cast(jnp.ones((rt_rows,), jnp.float32), reduce0)
         return finish(i, stage, buf, acc, s, m_run, ones, m_run, l_run)
-      col = kv_iota + start
-      in_prefix = col < prefix_cut
-      if window:
-        vis = (col >= nominal) & (col < hi) & (in_prefix | visible_window(col))
-      else:
-        vis = in_prefix
-      s = jnp.where(vis, s * (scale * LOG2E), -jnp.inf)
-      m_new = jnp.maximum(m_run, s.max(axis=0))
-      # Rows that have seen no column yet keep m = -inf; exponentiate against 0 so no inf - inf.
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_run - m_safe)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
+      vis = _tile_visibility(kv_iota + start, prefix_cut, (nominal, hi, visible_window) if window else None)
+      m_new, alpha, p = _online_softmax_tile(s, vis, m_run, scale, kv_axis=0)
       if opts.lazy_sum:  # l_run is [bk, Rt]: summed over the KV axis after the loop
         l_run = l_run * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
       else:
@@ -778,18 +794,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((rows, bk), jnp.float32))
-      col = kv_iota + start
-      in_prefix = col < prefix_cut
-      if window:
-        vis = (col >= nominal) & (col < hi) & (in_prefix | visible_window(col))
-      else:
-        vis = in_prefix
-      s = jnp.where(vis, s * (scale * LOG2E), -jnp.inf)
-      m_new = jnp.maximum(m_run, s.max(axis=1))
-      # Rows that have seen no column yet keep m = -inf; exponentiate against 0 so no inf - inf.
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_run - m_safe)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+      vis = _tile_visibility(kv_iota + start, prefix_cut, (nominal, hi, visible_window) if window else None)
+      m_new, alpha, p = _online_softmax_tile(s, vis, m_run, scale, kv_axis=1)
       l_run = l_run * alpha + p.sum(axis=1)
       p16 = p.astype(jnp.bfloat16)
 
