@@ -124,11 +124,9 @@ def timed_in_step(step, routings_, w, repeats=5):
 
 
 def device_in_step(step, routings_, w, repeats=5):
-  """(median GPU us per layer call of an ``in_step`` executable from CUPTI, {kernel kind: us},
-  kernels per call)."""
+  """(median GPU us per layer call of an ``in_step`` executable, from CUPTI; {kernel kind: us per call})."""
   xs, gs = [r[0] for r in routings_], [r[1] for r in routings_]
-  us, kinds = gpu_timing.per_call_device_us(step, (xs, gs, w), calls=len(routings_), iterations=repeats)
-  return us, kinds
+  return gpu_timing.per_call_device_us(step, (xs, gs, w), calls=len(routings_), iterations=repeats)
 
 
 def ceilings():
