@@ -504,7 +504,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
     scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
   else:
-    # Stored as the MMA leaves them, features-major (Mosaic GPU has no transposed float32 store).
+    # Stored as the MMA leaves them, features-major: for a transposed float32 store (as the bf16
+    # result takes) Mosaic GPU's layout inference found no layout (jax 0.11.2).
     out_types = [jax.ShapeDtypeStruct((splits, num_w, n_out, w_items * r), jnp.float32)]
     scratch = [[plgpu.SMEM((TILE_N, r), jnp.float32, transforms=_f32_transforms(r)) for _ in range(num_w)]]
   if count_tile_loads:
