@@ -498,6 +498,24 @@ def _online_softmax_tile(s, visible, m_run, scale, kv_axis: int):
   return m_new, alpha, p
 
 
+def _split_refs(refs, num_key_parts: int, shared_value: bool):
+  """Both kernels' refs after the metadata, by name: q parts, key pools, the value pool (key part
+  0 when shared), the two outputs, then the scratch (the value stage is key part 0's when shared)."""
+  n = num_key_parts
+  q_refs, key_refs, rest = refs[:n], refs[n:2 * n], refs[2 * n:]
+  if shared_value:
+    value_ref = key_refs[0]
+  else:
+    value_ref, rest = rest[0], rest[1:]
+  o_ref, lse_ref = rest[0], rest[1]
+  (key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded, consumed, p_ready, p_free,
+   q_barrier, done) = rest[2:]
+  if shared_value:
+    value_smem = key_smem[0]
+  return (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem,
+          exchange, loaded, consumed, p_ready, p_free, q_barrier, done)
+
+
 def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
             num_groups: int, num_words: int, cache_len: int, scale: float, interpreted: bool):
   """One CTA: request-group ``bg``, KV split ``split``, row tile ``rt``.
@@ -510,18 +528,8 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   o_part [BG, splits, n_rt, rows_stored, Dv] and lse_part [BG, splits, n_rt, Rt]; then scratch.
   """
   n = num_key_parts
-  q_refs = refs[:n]
-  key_refs = refs[n:2 * n]
-  rest = refs[2 * n:]
-  if shared_value:
-    value_ref, rest = key_refs[0], rest
-  else:
-    value_ref, rest = rest[0], rest[1:]
-  o_ref, lse_ref = rest[0], rest[1]
-  (key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded, consumed, p_ready, p_free,
-   q_barrier, done) = rest[2:]
-  if shared_value:
-    value_smem = key_smem[0]
+  (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange,
+   loaded, consumed, p_ready, p_free, q_barrier, done) = _split_refs(refs, n, shared_value)
 
   rt_rows = plan.rows_per_tile
   bk = BLOCK_KV
@@ -705,18 +713,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   tiles (``_stream_kv``). Refs as in ``_kernel`` (row tile 64, rows_stored 64).
   """
   n = num_key_parts
-  q_refs = refs[:n]
-  key_refs = refs[n:2 * n]
-  rest = refs[2 * n:]
-  if shared_value:
-    value_ref = key_refs[0]
-  else:
-    value_ref, rest = rest[0], rest[1:]
-  o_ref, lse_ref = rest[0], rest[1]
-  (key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded, consumed, p_ready, p_free,
-   q_barrier, done) = rest[2:]
-  if shared_value:
-    value_smem = key_smem[0]
+  (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange,
+   loaded, consumed, p_ready, p_free, q_barrier, done) = _split_refs(refs, n, shared_value)
 
   rows, bk = plan.rows_per_tile, BLOCK_KV
   num_stages = plan.num_stages
