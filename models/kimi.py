@@ -126,12 +126,15 @@ class MLAttention(nnx.Module):
     self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs)
     self.o_proj = _linear(cfg, n * cfg.v_head_dim, cfg.hidden_size, rngs)
 
-  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool):
+  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool, attention_meta=None):
     """Attends a window over one layer's pools after writing the window's own latents.
 
     Args:
       x: [B, Q, H] normed hidden states.
       c_kv_pool: [S + 1, T, R]; k_pe_pool: [S + 1, T, P] (this layer's cache).
+      attention_meta: the kernel's window metadata for this window (``_attention_window``),
+        built once per forward and shared by every layer; None: the kernel builds it per call
+        (and the "xla" reference needs none).
     Returns:
       (out [B, Q, H], c_kv_pool, k_pe_pool) with the window rows written.
     """
@@ -165,8 +168,9 @@ class MLAttention(nnx.Module):
     w_uk, w_uv = w_kv_b[..., :d_nope], w_kv_b[..., d_nope:]
     q_latent = jnp.einsum('bqnd,rnd->bqnr', q_nope, w_uk.astype(q_nope.dtype))
     attend = _attention_impl(cfg)
+    extra = {} if attention_meta is None else {"window_meta": attention_meta}
     out_latent = attend(q_latent, q_pe, attend_c_kv, attend_k_pe, slots, prefix_len,
-                        window.visibility, window.valid, scale=cfg.softmax_scale)
+                        window.visibility, window.valid, scale=cfg.softmax_scale, **extra)
     out = jnp.einsum('bqnr,rnv->bqnv', out_latent.astype(x.dtype), w_uv.astype(x.dtype))
     return self.o_proj(out.reshape(b, q, n * cfg.v_head_dim)), c_kv_pool, k_pe_pool
 
@@ -187,6 +191,34 @@ def _attention_impl(cfg: KimiConfig):
     from pallas_kernels import tree_attention
     return tree_attention.mla_tree_attention
   return reference.mla_tree_attention
+
+
+def _attention_window(cfg: KimiConfig, window: Window, pool_len: int | None, batch: int,
+                      q_len: int):
+  """The tree-attention kernel's window metadata for one forward, or None.
+
+  It depends on the window and static shapes, not on the layer, so ``KimiModel.__call__`` builds
+  it once, outside the layer scan, and every layer's kernel call reuses it
+  (``tree_attention.prepare_mla_window``; bit for bit what each call would build itself). None
+  for ``attention_impl="xla"``: the reference takes no metadata.
+
+  Args:
+    pool_len: T of the cache pool, or None without a cache (the window then attends to its own
+      latents as a pool of one slot per row: slots 0..B-1, empty prefixes; see ``MLAttention``).
+  """
+  if cfg.attention_impl != "pallas":
+    return None
+  from pallas_kernels import tree_attention
+
+  if pool_len is None:
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    prefix_len = jnp.zeros((batch,), jnp.int32)
+    pool_len = q_len
+  else:
+    slots, prefix_len = window.slots, window.prefix_len
+  return tree_attention.prepare_mla_window(
+      slots, prefix_len, window.visibility, window.valid, heads=cfg.num_attention_heads,
+      latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, cache_len=pool_len)
 
 
 class MLP(nnx.Module):
@@ -341,8 +373,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
-  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool):
-    attn, c_kv_pool, k_pe_pool = self.self_attn(self.input_layernorm(x), window, c_kv_pool, k_pe_pool)
+  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool, attention_meta=None):
+    attn, c_kv_pool, k_pe_pool = self.self_attn(self.input_layernorm(x), window, c_kv_pool,
+                                                k_pe_pool, attention_meta)
     x = x + attn
     normed = self.post_attention_layernorm(x)
     if isinstance(self.mlp, MoE):
@@ -424,6 +457,9 @@ class KimiModel(nnx.Module):
     feature_slot = jnp.asarray(feature_slot, jnp.int32)
     features = jnp.zeros((num_features + 1, b, q, h), x.dtype)
     carry = (x, None, None, features) if cache is None else (x, cache.c_kv, cache.k_pe, features)
+    # The attention kernel's window metadata, once per forward rather than once per layer.
+    attention_meta = _attention_window(cfg, window, None if cache is None else cache.c_kv.shape[2],
+                                       b, q)
     loads = []
     for stack, first in ((self.dense_layers, 0), (self.moe_layers, cfg.num_dense_layers)):
       if stack is None:
@@ -436,9 +472,10 @@ class KimiModel(nnx.Module):
         x, c_kv, k_pe, features = carry
         layer = nnx.merge(graphdef, layer_state)
         if c_kv is None:
-          x, _, _, load = layer(x, window, None, None)
+          x, _, _, load = layer(x, window, None, None, attention_meta)
         else:
-          x, c_kv_layer, k_pe_layer, load = layer(x, window, c_kv[layer_id], k_pe[layer_id])
+          x, c_kv_layer, k_pe_layer, load = layer(x, window, c_kv[layer_id], k_pe[layer_id],
+                                                  attention_meta)
           c_kv = c_kv.at[layer_id].set(c_kv_layer)
           k_pe = k_pe.at[layer_id].set(k_pe_layer)
         features = features.at[feature_slot[layer_id]].set(x)

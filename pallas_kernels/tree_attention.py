@@ -58,11 +58,16 @@ Layout of the work (why it is shaped this way):
     transposed view and the transposed WGMMA register layout), and its base-2 log-sum-exp; two
     XLA kernels merge them (split weights, then one weighted-sum reduction that writes
     [rows, Dv] directly: the transpose kernel of the ``O^T`` partials is gone, 8.9 -> 6.1 us of
-    epilogue at b1/32k/q17).
+    epilogue at b1/32k/q17). A plan with one split has nothing to merge: the partial is the
+    output (no merge kernels).
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
-    one int32 array built by one XLA fusion (``_window_meta``).
+    one int32 array built by one XLA fusion (``_window_meta``). It depends on the window and the
+    static shapes, not on the layer: ``prepare_mla_window`` / ``prepare_mha_window`` build it
+    once per step as a ``WindowMeta`` that every layer's call takes as ``window_meta=`` (the
+    model does this outside its layer scan; bit for bit the same result, one fusion per step
+    instead of one per layer).
   * Softmax. The scores lie transposed, so the row max and sum reduce over the KV axis across
     the 4 warps (through shared memory, two warpgroup barriers per round). The denominators are
     kept as a [64, Rt] elementwise sum and reduced once after the loop, and the reduction scratch
@@ -875,7 +880,8 @@ def _transforms(swizzle: int):
 
 def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid, *, scale,
             q_len, heads_per_group, num_groups, interpret, num_splits=None,
-            partial_dtype="float32", rows_per_tile=None, options=None):
+            partial_dtype="float32", rows_per_tile=None, options=None, window_meta=None,
+            name="tree attention"):
   """Runs the kernel on folded operands and merges the partials.
 
   Args:
@@ -883,6 +889,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
     key_pools: bf16 [S, T, G, Dk_i]; value_pool: bf16 [S, T, G, Dv], or None when the values are
       key part 0 (absorbed MLA).
     slots, prefix_len: int32[B]; visibility: bool[B, Q, Q]; valid: bool[B, Q].
+    window_meta: a ``WindowMeta`` built for this call's shapes, or None to build it here.
   Returns:
     float32 [BG, rows, Dv].
   """
@@ -900,9 +907,14 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   rows_in = max(rt_rows, _round_up(rows, 8))
   if rows_in != rows:
     q_parts = [jnp.pad(q, ((0, 0), (0, rows_in - rows), (0, 0))) for q in q_parts]
-  meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
-                      heads_per_group=heads_per_group, num_groups=num_groups, n_rt=n_rt,
-                      rows_per_tile=rt_rows)
+  layout = _meta_layout(batch=valid.shape[0], q_len=q_len, heads_per_group=heads_per_group,
+                        num_groups=num_groups, cache_len=cache_len, pl_=pl_)
+  if window_meta is None:
+    meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
+                        heads_per_group=heads_per_group, num_groups=num_groups, n_rt=n_rt,
+                        rows_per_tile=rt_rows)
+  else:
+    meta = _checked_meta(name, window_meta, layout)
   num_words = meta.shape[2] - 2
 
   transforms = _transforms(pl_.swizzle)
@@ -977,7 +989,119 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   return jnp.repeat(meta, num_groups, axis=0)  # [BG, ...] (bg = b * G + g)
 
 
-def _merge(o_part, lse_part, pl_: Plan, rows: int):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["meta"],
+                   meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class WindowMeta:
+  """The kernel's per-step window metadata, built once and shared by every layer.
+
+  What ``_window_meta`` derives from a step's ``slots``, ``prefix_len``, ``visibility`` and
+  ``valid`` (the per-row prefix cuts, the packed window bits, and each request's slot, window
+  start and live length) depends on the window and on static shapes, never on the layer. A model
+  that runs many layers over one window builds it once with ``prepare_mla_window`` (or
+  ``prepare_mha_window``) outside its layer loop and passes it to every call as
+  ``window_meta=``; each call then runs only the kernel and the merge. A pytree: ``meta`` is the
+  array, ``layout`` static (so it can be closed over or passed through ``jit`` and ``lax.scan``).
+
+  The call checks ``layout`` against its own shapes and plan and raises ``ValueError`` naming
+  each mismatch; it cannot check that the values came from the same window, which is the
+  caller's promise (the window arguments of the call are then only shape-checked).
+  """
+
+  meta: jax.Array  # int32 [B * G, row tiles, 2 + W, rows per tile]
+  layout: tuple  # ((name, value), ...): what the array was built for (see ``_meta_layout``)
+
+
+def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: Plan) -> tuple:
+  """What a window's metadata depends on besides the window's values (``cache_len`` is the
+  pool's column count after the kernel's padding: the live length is clipped to it)."""
+  return (("batch", batch), ("q_len", q_len), ("heads_per_group", heads_per_group),
+          ("num_groups", num_groups), ("padded cache_len", cache_len),
+          ("rows_per_tile", pl_.rows_per_tile), ("row_tiles", pl_.num_row_tiles))
+
+
+def _checked_meta(name, window_meta, layout):
+  """The array of ``window_meta`` after checking it was built for ``layout``."""
+  if not isinstance(window_meta, WindowMeta):
+    raise TypeError(f"{name}: window_meta must be a WindowMeta (from prepare_mla_window or "
+                    f"prepare_mha_window), got {type(window_meta).__name__}")
+  have, want = dict(window_meta.layout), dict(layout)
+  diff = [f"{k} {have.get(k)} (prepared) != {v} (this call)" for k, v in want.items()
+          if have.get(k) != v]
+  if diff:
+    raise ValueError(f"{name}: window_meta was prepared for other shapes: " + "; ".join(diff))
+  meta = window_meta.meta
+  num_words = -(-want["q_len"] // 32)
+  shape = (want["batch"] * want["num_groups"], want["row_tiles"], 2 + num_words,
+           want["rows_per_tile"])
+  if tuple(meta.shape) != shape or meta.dtype != jnp.int32:
+    raise ValueError(f"{name}: window_meta.meta must be int32{list(shape)} for its layout, got "
+                     f"{meta.dtype}{list(meta.shape)}")
+  return meta
+
+
+def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num_groups, key_dims,
+             value_dim, shared_value, cache_len, num_splits, rows_per_tile, options):
+  batch, q_len = valid.shape if valid.ndim == 2 else (None, None)
+  if batch is None:
+    raise ValueError(f"{name}: valid must be [B, Q], got shape {tuple(valid.shape)}")
+  _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
+  if cache_len < 1:
+    raise ValueError(f"{name}: cache_len must be positive, got {cache_len}")
+  padded_len = _padded_cache_len(cache_len)
+  pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=batch * num_groups,
+             key_dims=key_dims, value_dim=value_dim, shared_value=shared_value,
+             cache_len=padded_len, num_splits=num_splits, rows_per_tile=rows_per_tile,
+             options=options)
+  meta = _window_meta(slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
+                      q_len=q_len, cache_len=padded_len, heads_per_group=heads_per_group,
+                      num_groups=num_groups, n_rt=pl_.num_row_tiles,
+                      rows_per_tile=pl_.rows_per_tile)
+  return WindowMeta(meta=meta, layout=_meta_layout(
+      batch=batch, q_len=q_len, heads_per_group=heads_per_group, num_groups=num_groups,
+      cache_len=padded_len, pl_=pl_))
+
+
+def prepare_mla_window(slots, prefix_len, visibility, valid, *, heads: int, latent_dim: int,
+                       rope_dim: int, cache_len: int, num_splits=None, rows_per_tile=None,
+                       options=None) -> WindowMeta:
+  """The window metadata of ``mla_tree_attention`` calls, built once for every layer of a step.
+
+  ``mla_tree_attention(..., window_meta=prepare_mla_window(...))`` gives bit for bit what the same
+  call without ``window_meta`` gives; it only skips rebuilding the metadata in each layer (one
+  XLA fusion: 1.5 us of the 39.5 us call on the H200 at Kimi's per-GPU shape, b1/32k/q17).
+
+  Args:
+    slots, prefix_len, visibility, valid: the step's window, exactly as every call will get it.
+    heads: query heads N; latent_dim, rope_dim: R and P of the queries and pools; cache_len: T,
+      the pool's columns (``c_kv.shape[1]``).
+    num_splits, rows_per_tile, options: as the calls will pass them (they choose the row tiles).
+  Returns:
+    A ``WindowMeta``; a call whose shapes or plan differ raises ``ValueError`` naming them.
+  """
+  latent_p, rope_p = _round_up(latent_dim, 64), _round_up(rope_dim, 32)
+  return _prepare("prepare_mla_window", slots, prefix_len, visibility, valid,
+                  heads_per_group=heads, num_groups=1, key_dims=[latent_p, rope_p],
+                  value_dim=latent_p, shared_value=True, cache_len=cache_len,
+                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
+
+
+def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_heads: int,
+                       head_dim: int, cache_len: int, num_splits=None, rows_per_tile=None,
+                       options=None) -> WindowMeta:
+  """``prepare_mla_window`` for ``mha_tree_attention``: N query heads over G = ``kv_heads``
+  K/V heads of width D = ``head_dim`` in a pool of ``cache_len`` columns."""
+  if heads % kv_heads:
+    raise ValueError(f"prepare_mha_window: query heads {heads} not a multiple of kv heads "
+                     f"{kv_heads}")
+  dim_p = _round_up(head_dim, 64)
+  return _prepare("prepare_mha_window", slots, prefix_len, visibility, valid,
+                  heads_per_group=heads // kv_heads, num_groups=kv_heads, key_dims=[dim_p],
+                  value_dim=dim_p, shared_value=False, cache_len=cache_len,
+                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
+
+
+def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True):
   """Log-sum-exp merge of the per-split partials (XLA): the split weights, then a weighted sum.
 
   Args:
@@ -995,7 +1119,15 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int):
   epilogue kernels (stored [Dv, rows] they needed a transpose kernel more; with the split and
   row-tile axes the other way round XLA added a 6.6 us transpose). A one-pass variadic reduction
   carrying (max, weight sum, weighted sum) was slower (41 us at 44 splits).
+
+  With one split (``skip_single``, the default) there is nothing to merge: see below.
   """
+  bg_count, splits, n_rt, rs, dv = o_part.shape
+  if splits == 1 and skip_single:
+    # One split: its weight is 2^(lse - lse) = 1 exactly (0 where lse is -inf, a row that saw
+    # nothing, which the kernel stores as zeros), so the weighted sum is the partial itself. No
+    # merge kernels; a slice and a cast at most (bit-identical to the general path, tested).
+    return o_part[:, 0].reshape(bg_count, n_rt * rs, dv)[:, :rows].astype(jnp.float32)
   lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
   if pl_.options.merge == "two_pass":
     top = jnp.max(lse, axis=1, keepdims=True)
@@ -1005,7 +1137,6 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int):
     lse_s, lse_t = lse[:, :, None], lse[:, None, :]
     terms = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp2(lse_t - lse_s))  # [BG, s, t, n_rt, rs]
     weight = jnp.where(lse == -jnp.inf, 0.0, 1.0 / jnp.sum(terms, axis=2))
-  bg_count, splits, n_rt, rs, dv = o_part.shape
   weight = weight.reshape(bg_count, splits, n_rt * rs)[:, :, :rows]
   o_all = o_part.reshape(bg_count, splits, n_rt * rs, dv)[:, :, :rows]
   # A broadcast-multiply-reduce (not an einsum) so that XLA fuses it into one reduction.
@@ -1023,10 +1154,15 @@ def _pad_last(x, multiple: int):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _pad_cache_len(pools, multiple: int, minimum: int):
-  """TMA tiles need T >= one tile and tile-aligned clamped starts (T % 8 == 0); pad if not."""
+def _padded_cache_len(cache_len: int) -> int:
+  """TMA tiles need T >= one tile and tile-aligned clamped starts (T % 8 == 0)."""
+  return max(_round_up(cache_len, 8), BLOCK_KV)
+
+
+def _pad_cache_len(pools):
+  """The pools padded to ``_padded_cache_len`` columns (no copy where they have them)."""
   cache_len = pools[0].shape[1]
-  target = max(_round_up(cache_len, multiple), minimum)
+  target = _padded_cache_len(cache_len)
   if target == cache_len:
     return pools
   return [jnp.pad(p, [(0, 0), (0, target - cache_len)] + [(0, 0)] * (p.ndim - 2)) for p in pools]
@@ -1053,7 +1189,7 @@ def _check_float(name, **arrays):
 
 def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, *,
                        scale, interpret=None, num_splits=None, partial_dtype="float32",
-                       rows_per_tile=None, options=None):
+                       rows_per_tile=None, options=None, window_meta=None):
   """Absorbed-MLA tree attention over one layer's latent cache pool (Mosaic GPU kernel).
 
   Same contract as ``reference.mla_tree_attention``.
@@ -1068,6 +1204,9 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     partial_dtype: dtype of the per-split partial outputs ("float32" or "bfloat16").
     rows_per_tile: force the row tile (tests, tuning); default from ``plan``.
     options: kernel variants (``Options``, for the benchmark); default ``Options()``.
+    window_meta: optional ``WindowMeta`` from ``prepare_mla_window`` for this window, shared by
+      every layer of a step (the result is bit for bit the same; the window arguments are then
+      only shape-checked, and a meta built for other shapes raises ``ValueError``).
   Returns:
     float32 [B, Q, N, R].
   """
@@ -1087,20 +1226,20 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
   # Value width is a wgmma M dimension (multiple of 64); key widths are contraction dims.
   c_kv_p, k_pe_p = _pad_last(_as_bf16(c_kv), 64), _pad_last(_as_bf16(k_pe), 32)
-  c_kv_p, k_pe_p = _pad_cache_len([c_kv_p, k_pe_p], 8, BLOCK_KV)
+  c_kv_p, k_pe_p = _pad_cache_len([c_kv_p, k_pe_p])
   q_lat = _pad_last(_as_bf16(q_latent), 64).reshape(batch, q_len * heads, -1)
   q_rp = _pad_last(_as_bf16(q_rope), 32).reshape(batch, q_len * heads, -1)
   out = _attend([q_lat, q_rp], [c_kv_p[:, :, None], k_pe_p[:, :, None]], None,
                 slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                 scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
                 interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
-                rows_per_tile=rows_per_tile, options=options)
+                rows_per_tile=rows_per_tile, options=options, window_meta=window_meta, name=name)
   return out[..., :latent].reshape(batch, q_len, heads, latent)
 
 
 def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, interpret=None,
                        num_splits=None, partial_dtype="float32", rows_per_tile=None,
-                       options=None):
+                       options=None, window_meta=None):
   """Grouped/multi-head tree attention over one layer's K/V pool (Mosaic GPU kernel).
 
   Same contract as ``reference.mha_tree_attention``.
@@ -1109,6 +1248,8 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
     q: [B, Q, N, D]; k, v: [S, T, G, D] with N a multiple of G.
     slots, prefix_len, visibility, valid, scale, interpret, num_splits, partial_dtype,
       rows_per_tile, options: as in ``mla_tree_attention``.
+    window_meta: optional ``WindowMeta`` from ``prepare_mha_window`` (as in
+      ``mla_tree_attention``).
   Returns:
     float32 [B, Q, N, D].
   """
@@ -1126,13 +1267,14 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
   rep = heads // groups
   k_p, v_p = _pad_last(_as_bf16(k), 64), _pad_last(_as_bf16(v), 64)
-  k_p, v_p = _pad_cache_len([k_p, v_p], 8, BLOCK_KV)
+  k_p, v_p = _pad_cache_len([k_p, v_p])
   # Rows of one group: (q, r) for heads g * rep + r.
   qg = _pad_last(_as_bf16(q), 64).reshape(batch, q_len, groups, rep, -1)
   qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch * groups, q_len * rep, -1)
   out = _attend([qg], [k_p], v_p, slots.astype(jnp.int32), prefix_len.astype(jnp.int32),
                 visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
                 num_groups=groups, interpret=interpret, num_splits=num_splits,
-                partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options)
+                partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options,
+                window_meta=window_meta, name=name)
   out = out[..., :dim].reshape(batch, groups, q_len, rep, dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dim)
