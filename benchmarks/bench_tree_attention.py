@@ -12,6 +12,18 @@ Times are medians of per-call GPU time from CUPTI (the sum of the call's kernels
 excluded), over calls that rotate through enough request slots to keep the KV out of L2; the
 kernel's own time (its merge epilogue and index prep excluded) is reported beside it.
 
+Three times per cell (CUPTI, medians, the same calls):
+  * ``time_us`` ("whole call"): ``mla_tree_attention(...)`` as one call: the window-metadata fusion
+    (``_window_meta``), the attention kernel and the merge kernels;
+  * ``layer_us`` ("per layer"): ``mla_tree_attention(..., window_meta=meta)`` with ``meta`` from
+    ``prepare_mla_window`` built outside the timed call: the attention kernel and the merge. This
+    is what each layer of the model pays, since ``KimiModel`` builds the metadata once per step
+    for all its layers (that one fusion, ``meta_us``, is timed alone);
+  * ``kernel_us``: the attention kernel alone (the longest kernel of the whole call).
+The reference's time is its whole call (it has no metadata to hoist); the speedup is given on
+the whole-call basis (``speedup_vs_reference``) and on the per-layer basis
+(``speedup_vs_reference_per_layer``).
+
 Every cell's kernel output is checked against the reference (bf16 inputs, float32 math) where the
 reference fits; the reference is timed there too. jax's own decode attention (Pallas Triton, the
 one in ``jax.experimental.pallas.ops.gpu.decode_attention``) applies to q_len 1 only and is timed
@@ -171,11 +183,30 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   out = jax.block_until_ready(kernel(*arg_sets[0]))
   compile_s = time.perf_counter() - t0
   total_ms, kernel_ms, kernels, how = timed(kernel, arg_sets)
+  breakdown = [(name, round(ms * 1e3, 2)) for name, ms in LAST_BREAKDOWN]
+  # Per layer: the window metadata built once outside the timed call (one meta per slot set).
+  prepare = jax.jit(functools.partial(
+      ta.prepare_mla_window, heads=heads, latent_dim=LATENT, rope_dim=ROPE,
+      cache_len=c_kv.shape[1], num_splits=num_splits, rows_per_tile=rows_per_tile,
+      options=options))
+  metas = [prepare(slot_sets[r], prefix, visibility, valid) for r in range(rotations)]
+  meta_ms, _, _, _ = timed(prepare, [(slot_sets[i % rotations], prefix, visibility, valid)
+                                     for i in range(min(calls, 20))])
+  layer = jax.jit(lambda *a: ta.mla_tree_attention(
+      *a[:8], scale=SCALE, num_splits=num_splits, partial_dtype=partial_dtype,
+      rows_per_tile=rows_per_tile, options=options, window_meta=a[8]))
+  layer_sets = [a + (metas[i % rotations],) for i, a in enumerate(arg_sets)]
+  layer_out = layer(*layer_sets[0])
+  layer_ms, _, layer_kernels, _ = timed(layer, layer_sets)
+  layer_breakdown = [(name, round(ms * 1e3, 2)) for name, ms in LAST_BREAKDOWN]
   row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len, calls=calls,
-             time_us=total_ms * 1e3, kernel_us=kernel_ms * 1e3, kernels_per_call=kernels,
+             time_us=total_ms * 1e3, layer_us=layer_ms * 1e3, kernel_us=kernel_ms * 1e3,
+             meta_us=meta_ms * 1e3, kernels_per_call=kernels,
+             kernels_per_layer_call=layer_kernels,
+             layer_equals_call=bool(jnp.array_equal(layer_out, out)),
              timer=how, compile_s=round(compile_s, 2), num_splits=num_splits,
              partial_dtype=partial_dtype, rows_per_tile_override=rows_per_tile,
-             breakdown_us=[(name, round(ms * 1e3, 2)) for name, ms in LAST_BREAKDOWN])
+             breakdown_us=breakdown, layer_breakdown_us=layer_breakdown)
   plan = ta.plan(q_len=q_len, heads_per_group=heads, num_work=batch, key_dims=(LATENT, ROPE),
                  value_dim=LATENT, shared_value=True, cache_len=c_kv.shape[1],
                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
@@ -184,6 +215,7 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
              splits=plan.num_splits, value_wgs=plan.value_wgs)
   row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak))
   row["kernel_only_roofline_fraction"] = row["roofline_us"] / row["kernel_us"]
+  row["layer_roofline_fraction"] = row["roofline_us"] / row["layer_us"]
   if check and reference_fits(heads, batch, cached, q_len):
     # The reference reads every pool column: give it a pool of exactly cached + q_len columns.
     t_cols = cached + q_len
@@ -201,10 +233,11 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
       ref_ms, _, _, _ = timed(ref, [ref_args] * ref_calls)
       row["reference_us"] = ref_ms * 1e3
       row["speedup_vs_reference"] = ref_ms / total_ms
+      row["speedup_vs_reference_per_layer"] = ref_ms / layer_ms
     del want, got, small
   if q_len == 1 and args.decode_attention and check:
     row.update(decode_attention(heads, batch, cached, c_kv, prefix))
-  del out
+  del out, layer_out, metas
   return row
 
 
@@ -234,11 +267,14 @@ def variant_list():
   "rows_n" is the previous kernel (query rows on the wgmma N side: S^T = K Q^T, O^T = V^T P^T);
   "rows_m": 64-row tiles on the M side (S = Q K^T, O = P V; the default from 80 rows per group
   where it needs no more row tiles). The probes (on the default) drop parts of the loop (wrong
-  results) to show what each part costs.
+  results) to show what each part costs. First, three ways to a cheaper merge at the goal cell:
+  bf16 partial outputs (adds one rounding), half the default split count, and the max-first merge.
   """
   O = ta.Options
   goal = (8, 1, 32768, 17)
-  out = []
+  out = [(goal, "bf16 partials (half the merge's reads)", dict(partial_dtype="bfloat16")),
+         (goal, "22 splits (half the partials)", dict(num_splits=22)),
+         (goal, "merge two_pass", dict(options=O(merge="two_pass")))]
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
     out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))
     out.append((cell, "rows_m", dict(options=O(form="rows_m"))))
@@ -251,6 +287,8 @@ def variant_list():
 def run_variants(args, bandwidth, peak, results):
   pools = {}
   for (heads, batch, cached, q_len), label, kw in variant_list():
+    if args.variant_match and not any(m in label for m in args.variant_match):
+      continue
     if batch not in pools:
       pools.clear()
       pool_len = max(args.cached) + 4096
@@ -271,7 +309,7 @@ def run_variants(args, bandwidth, peak, results):
     row["variant"] = label
     results["variants"].append(row)
     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-           if k in ("heads", "batch", "cached", "q_len", "variant", "time_us", "kernel_us",
+           if k in ("heads", "batch", "cached", "q_len", "variant", "time_us", "layer_us", "kernel_us",
                     "max_abs_err", "error", "splits", "row_tiles")}, flush=True)
 
 
@@ -279,23 +317,26 @@ def variants_markdown(results):
   if not results["variants"]:
     return ""
   lines = ["", "Variants and probes (`--variants`; probes give wrong results):", "",
-           "| heads | batch | cached | q_len | variant | tiles x splits | time us | kernel us | "
-           "roofline frac | max err |", "| --- " * 10 + "|"]
+           "| heads | batch | cached | q_len | variant | tiles x splits | time us | layer us | "
+           "kernel us | roofline frac | max err |", "| --- " * 11 + "|"]
   for r in results["variants"]:
     if "error" in r:
       lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
-                   f"{r['variant']} | - | failed: {r['error'][:80]} | | | |")
+                   f"{r['variant']} | - | failed: {r['error'][:80]} | | | | |")
       continue
     err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
     lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
                  f"{r['variant']} | {r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | "
-                 f"{r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
+                 f"{r['layer_us']:.1f} | {r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
   base = [r for r in results["rows"] + results["variants"] if "breakdown_us" in r
           and (r["heads"], r["batch"], r["cached"], r["q_len"]) == (8, 1, 32768, 17)]
   for r in base[:1]:
     lines += ["", f"Per-kernel median us of one call (h{r['heads']} b{r['batch']} "
               f"{r['cached'] // 1024}k q{r['q_len']}, {r.get('variant', 'default')}): " +
               ", ".join(f"{name[:40]} {us}" for name, us in r["breakdown_us"])]
+    if r.get("layer_breakdown_us"):
+      lines += ["", "The same, per layer (metadata precomputed): " +
+                ", ".join(f"{name[:40]} {us}" for name, us in r["layer_breakdown_us"])]
   return "\n".join(lines)
 
 
@@ -322,34 +363,56 @@ def markdown(results):
   lines = [f"# Tree-verify attention (MLA, R=512, P=64, bf16) on {results['device']}", ""]
   lines.append(f"Ceilings measured in the same run: read-only stream {results['stream_GBps']:.0f} GB/s, "
                f"bf16 matmul {results['matmul_TFLOPs']:.0f} TFLOP/s. Roofline = max(bytes / stream, "
-               f"flops / matmul). Times: median per-call GPU time (CUPTI; all kernels of the call), "
-               f"kernel = the attention kernel alone (no index prep, no merge).")
-  lines.append("")
-  lines.append("| heads | batch | cached | q_len | tiles x splits | time us | kernel us | roofline us | "
-               "roofline frac | TB/s | TFLOP/s | reference us | speedup | decode attn us | max err |")
-  lines.append("| --- " * 15 + "|")
+               f"flops / matmul). Times: median per-call GPU time (CUPTI: the sum of the call's "
+               f"kernels, launch gaps excluded).")
+  lines += ["", "Columns:", "",
+            "- *time us* (whole call): `mla_tree_attention(...)` alone: the window-metadata fusion, "
+            "the attention kernel and the merge kernels.",
+            "- *layer us* (per layer): `mla_tree_attention(..., window_meta=meta)` with `meta` from "
+            "`prepare_mla_window` built outside the timed call: the attention kernel and the merge. "
+            "What each model layer pays: `KimiModel` builds the metadata once per step for all "
+            "layers (*meta us*: that one fusion, timed alone).",
+            "- *kernel us*: the attention kernel alone (no metadata, no merge).",
+            "- *reference us*: the plain-jnp reference, whole call (it has nothing to hoist). "
+            "*speedup* = reference / time; *speedup (layer)* = reference / layer.",
+            "- *roofline frac* = roofline / time (whole call).", ""]
+  lines.append("| heads | batch | cached | q_len | tiles x splits | time us | layer us | kernel us | "
+               "meta us | roofline us | roofline frac | TB/s | TFLOP/s | reference us | speedup | "
+               "speedup (layer) | decode attn us | max err |")
+  lines.append("| --- " * 18 + "|")
   for r in sorted(results["rows"], key=lambda r: (r["heads"], r["batch"], r["cached"], r["q_len"])):
     if is_variant(r) or "error" in r:
       continue
     ref = f"{r['reference_us']:.1f}" if r.get("reference_us") else "-"
-    sp = f"{r['speedup_vs_reference']:.1f}x" if r.get("speedup_vs_reference") else "-"
+    sp = f"{r['speedup_vs_reference']:.2f}x" if r.get("speedup_vs_reference") else "-"
+    spl = (f"{r['speedup_vs_reference_per_layer']:.2f}x"
+           if r.get("speedup_vs_reference_per_layer") else "-")
     da = f"{r['decode_attention_us']:.1f}" if r.get("decode_attention_us") else "-"
     err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
     lines.append(
         f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
-        f"{r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | {r['kernel_us']:.1f} | "
+        f"{r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | {r['layer_us']:.1f} | "
+        f"{r['kernel_us']:.1f} | {r['meta_us']:.1f} | "
         f"{r['roofline_us']:.1f} | {r['roofline_fraction']:.2f} | {r['bytes_per_s'] / 1e12:.2f} | "
-        f"{r['flops_per_s'] / 1e12:.0f} | {ref} | {sp} | {da} | {err} |")
+        f"{r['flops_per_s'] / 1e12:.0f} | {ref} | {sp} | {spl} | {da} | {err} |")
+  for r in results["rows"]:
+    if ((r["heads"], r["batch"], r["cached"], r["q_len"]) == (8, 1, 32768, 17) and not is_variant(r)
+        and r.get("speedup_vs_reference")):
+      lines += ["", f"Goal cell (heads 8, batch 1, 32k, q_len 17; goal 5x): whole call "
+                f"{r['time_us']:.1f} us = {r['speedup_vs_reference']:.2f}x the reference "
+                f"({r['reference_us']:.1f} us); per layer (metadata built once per step) "
+                f"{r['layer_us']:.1f} us = {r['speedup_vs_reference_per_layer']:.2f}x; kernel "
+                f"alone {r['kernel_us']:.1f} us."]
   tuning = [r for r in results["rows"] if is_variant(r) and "error" not in r]
   if tuning:
     lines += ["", "Variants (forced split count or row tile, bf16 partials):", "",
               "| heads | batch | cached | q_len | rows/tile | tiles x splits | partials | time us | "
-              "kernel us | roofline frac | max err |", "| --- " * 11 + "|"]
+              "layer us | kernel us | roofline frac | max err |", "| --- " * 12 + "|"]
     for r in tuning:
       err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
       lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
                    f"{r['rows_per_tile']} | {r['row_tiles']}x{r['splits']} | "
-                   f"{r['partial_dtype']} | {r['time_us']:.1f} | "
+                   f"{r['partial_dtype']} | {r['time_us']:.1f} | {r['layer_us']:.1f} | "
                    f"{r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
   errors = [r for r in results["rows"] if "error" in r]
   if errors:
@@ -385,6 +448,8 @@ def main():
                       help="after the cells, time kernel options and probes side by side")
   parser.add_argument("--variants-budget-s", type=float, default=60.0,
                       help="stop starting variants this long after --budget-s")
+  parser.add_argument("--variant-match", nargs="+", default=[],
+                      help="only the variants whose label contains one of these strings")
   parser.add_argument("--name", default="bench_tree_attention")
   args = parser.parse_args()
   start = args.start = time.perf_counter()
@@ -418,12 +483,15 @@ def main():
                  error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
     results["rows"].append(row)
     msg = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-           if k in ("heads", "batch", "cached", "q_len", "time_us", "kernel_us", "roofline_us",
-                    "roofline_fraction", "reference_us", "speedup_vs_reference", "max_abs_err",
+           if k in ("heads", "batch", "cached", "q_len", "time_us", "layer_us", "kernel_us",
+                    "meta_us", "roofline_us", "roofline_fraction", "reference_us",
+                    "speedup_vs_reference", "speedup_vs_reference_per_layer", "max_abs_err",
+                    "layer_equals_call",
                     "decode_attention_us", "error", "splits", "row_tiles", "compile_s")}
     print(msg, flush=True)
     if (heads, batch, cached, q_len) == (8, 1, 32768, 17):
       print("  per-kernel us:", row.get("breakdown_us"), flush=True)
+      print("  per-kernel us, per layer:", row.get("layer_breakdown_us"), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
   pools.clear()
