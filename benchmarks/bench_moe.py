@@ -201,12 +201,6 @@ def block_rows(x, g):
   return moe.default_block_rows(g.shape[0], expected_rows(x, g))
 
 
-def split_tiles(w, splits: int):
-  base = moe.default_tiles(w)
-  return moe.KernelTiles(dataclasses.replace(base.gate_up, splits=splits),
-                         dataclasses.replace(base.down, splits=splits))
-
-
 IMPLS = {
     "pallas": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g)),
     # The two INT4 forms forced (the default picks one by the expected programs per SM).
@@ -215,14 +209,9 @@ IMPLS = {
     "pallas_serial": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g),
                                                      int4_dequant="registers_serial"),
     # The other launch order of the kernels' programs (``moe.KernelTiles.grid_order``).
-    "pallas_tile_minor": lambda x, g, w: moe.moe_experts(
+    "pallas_item_minor": lambda x, g, w: moe.moe_experts(
         x, g, w, expected_rows=expected_rows(x, g),
-        tiles=dataclasses.replace(moe.default_tiles(w), grid_order="tile_minor")),
-    # K split over 2 or 4 programs per (output tile, item) in both kernels (``moe.TileConfig.splits``).
-    "pallas_split2": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g),
-                                                     tiles=split_tiles(w, 2)),
-    "pallas_split4": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g),
-                                                     tiles=split_tiles(w, 4)),
+        tiles=dataclasses.replace(moe.default_tiles(w), grid_order="item_minor")),
     "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
     "ragged_dot_mgpu": ragged_dot_mgpu_layer,
 }
@@ -244,15 +233,14 @@ def run(args, out: Path):
   cells = []  # (E, T, fmt, impl)
   for e in args.experts:
     for t in args.tokens:
-      for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "pallas_tile_minor"),
-                        ("int4", "pallas_tile_minor"), ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
+      for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "pallas_item_minor"),
+                        ("int4", "pallas_item_minor"), ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
         mgpu_here = e != args.experts[0] or not args.mgpu_tokens or t in args.mgpu_tokens
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
-      for fmt, variant in (("int4", "pallas_registers"), ("int4", "pallas_serial"), ("bf16", "pallas_split2"),
-                           ("int4", "pallas_split2"), ("bf16", "pallas_split4"), ("int4", "pallas_split4")):
-        if variant in args.impls and fmt in args.formats and t in args.variant_tokens:
-          cells.append((e, t, fmt, variant))
+      for variant in ("pallas_registers", "pallas_serial"):
+        if variant in args.impls and "int4" in args.formats and t in args.variant_tokens:
+          cells.append((e, t, "int4", variant))
   data = {(e, t): routings(t, e, seed=1000 * e + t) for e in args.experts for t in args.tokens}
 
   def lower(cell):
@@ -386,18 +374,17 @@ def markdown(result) -> str:
                  f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
   for fmt in ("bf16", "int4"):
     pairs = [(r, by.get((r["experts"], r["tokens"], fmt, "pallas"))) for r in result["rows"]
-             if r["impl"] == "pallas_tile_minor" and r["format"] == fmt and "device_us" in r]
+             if r["impl"] == "pallas_item_minor" and r["format"] == fmt and "device_us" in r]
     if pairs:
-      lines.append(f"{fmt} with `grid_order=\"tile_minor\"` (GPU us, and against the default): " + ", ".join(
+      lines.append(f"{fmt} with `grid_order=\"item_minor\"` (GPU us, and against the default): " + ", ".join(
           f"E={r['experts']} T={r['tokens']} {r['device_us']:.0f}"
           + (f" ({r['device_us'] / d['device_us']:.2f}x)" if d and "device_us" in d else "") for r, d in pairs) + ".")
-  for impl, what in (("pallas_registers", "INT4 with both weights' MMAs in flight"),
-                     ("pallas_serial", "INT4 draining the MMAs after each weight's tile"),
-                     ("pallas_split2", "K split over 2 programs"), ("pallas_split4", "K split over 4 programs")):
+  for impl, what in (("pallas_registers", "with both weights' MMAs in flight"),
+                     ("pallas_serial", "draining the MMAs after each weight's tile")):
     rows = [r for r in result["rows"] if r["impl"] == impl and "time_us" in r]
     if rows:
-      lines.append(f"{what} ({impl}): " + ", ".join(
-          f"{r['format']} E={r['experts']} T={r['tokens']} GPU {r.get('device_us', float('nan')):.0f} us "
+      lines.append(f"INT4 {what} ({impl}): " + ", ".join(
+          f"E={r['experts']} T={r['tokens']} GPU {r.get('device_us', float('nan')):.0f} us "
           f"({r.get('device_roofline_fraction', float('nan')):.0%}), wall {r['time_us']:.0f} us" for r in rows) + ".")
   lines.append(f"Command: `PYTHONPATH=. python3 benchmarks/bench_moe.py {' '.join(result['argv'])}`")
   return "\n".join(lines) + "\n"
@@ -412,8 +399,7 @@ def main():
   parser.add_argument("--formats", nargs="+", default=["bf16", "int4"], choices=["bf16", "int4"])
   parser.add_argument("--compile-threads", type=int, default=8)
   parser.add_argument("--variant-tokens", type=int, nargs="*", default=[1, 17, 136],
-                      help="T at which to also time the variants: both INT4 forms forced (pallas_registers, "
-                           "pallas_serial) and K split over 2 or 4 programs (pallas_split2, pallas_split4)")
+                      help="T at which to also time both INT4 forms forced (pallas_registers, pallas_serial)")
   parser.add_argument("--mgpu-tokens", type=int, nargs="*", default=[],
                       help="T at which to time ragged_dot_mgpu for the first expert count (default all); "
                            "its 384-group kernel takes about 6 s to lower per T")

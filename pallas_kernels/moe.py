@@ -46,19 +46,20 @@ up front with clear errors (feature sizes multiples of 16, INT4 inputs multiples
 packed layout pads K to a multiple of 256 with zero weights).
 
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
-in one executable, GPU time from CUPTI): bf16 runs at 82-87% of the touched experts' read roofline
-for T = 1..136 with 384 experts and 84-86% for T = 9..136 with the 48-expert share; INT4 at 58-68%
-for T = 9..136 with 384 experts (52% at T = 1) and 62-67% for T = 33..136 with 48. Where few
-experts are touched, too few programs (two per SM) leave each one's serial dequantise-and-multiply
-chain exposed, and the plain-jnp work list, pad and take cost ~15 us a call; the down kernel loses
-efficiency as T grows (49% of its share at T = 136; likely L2 misses on its input rows under the
-launch order, see ``KernelTiles.grid_order``, not yet timed). Wall time per call is
-higher at small T: XLA's host-side work per node of the step's CUDA graph
-(``benchmarks/moe_timeline.py``). A split of K over idle programs chosen per call did not pay
-with the earlier dequantisation (``tune_moe.md``, when the kernel was bound by its integer ALU
-work); a static split (``TileConfig.splits``) is an option for the few-programs regime, not yet
-timed. Each row's result depends only on its own input (fixed tiles, K splits and their sum in a
-fixed order), whatever the other rows.
+in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
+bf16 runs at 83-90% of the touched experts' read roofline for T = 1..136 with 384 experts and
+80-89% for T = 9..136 with the 48-expert share; INT4 at 62-75% for T = 9..136 with 384 experts
+(53% at T = 1) and 49-71% for T = 9..136 with 48. Where few experts are touched the INT4 kernels are
+latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
+programs and two warps per scheduler) ncu reads DRAM at 61% of its peak and the schedulers issuing
+in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and tile-major
+weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%, +24% and
+-3%. The plain-jnp work list, pad and take cost ~15 us a call there. Wall time per call is higher at small T: XLA's host-side work per node of the
+step's CUDA graph (``benchmarks/moe_timeline.py``). Splitting K over more programs did not pay,
+neither chosen per call (``tune_moe.md``) nor static with float32 partials summed by XLA (2 splits,
+same run: 384 experts T = 1 INT4 94-98 against 82 us, 48 experts T = 9 126-133 against 96 us;
+more programs per SM did not shorten the gate/up kernel). Each row's result depends only on its own
+input (fixed tiles, K in a fixed order), whatever the other rows.
 """
 
 import dataclasses
@@ -185,23 +186,10 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block, leaving room for ba
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-  """Static tiling of one kernel: input features per pipeline step, pipeline depth, and K splits.
-
-  ``splits`` > 1 gives each (output tile, work item) that many programs, each over an equal share
-  of the K steps (it must divide them), writing float32 partial sums that one XLA fusion adds in a
-  fixed order (so a row's result still depends on nothing but its own input). It is for the
-  few-programs regime (few touched experts, e.g. one decode token: 2 programs per SM leave each
-  one's dequantise-and-multiply chain exposed): more programs, and more warps per SM, for the same
-  weight bytes. Not yet timed on the GPU; the defaults keep 1.
-  """
+  """Static tiling of one kernel: input features per pipeline step and pipeline depth."""
 
   block_k: int
   stages: int
-  splits: int = 1
-
-  def __post_init__(self):
-    if not isinstance(self.splits, int) or self.splits < 1:
-      raise ValueError(f"TileConfig.splits={self.splits!r} must be a positive int")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,14 +198,16 @@ class KernelTiles:
 
   gate_up: TileConfig
   down: TileConfig
-  # Launch order of the (output tile, work item) programs. Mosaic GPU runs the last grid axis
-  # fastest. "item_minor": consecutive programs take consecutive items of one output tile (what
-  # bench_moe.md was timed with), so an item's input rows are re-read once per sweep over all
-  # items and stay in L2 only while every item's rows fit there (the down kernel's rows are
-  # R x I bf16 per item: ~24 MB at 384 experts and T = 136, ~50 MB at T = 544). "tile_minor":
-  # consecutive programs take consecutive output tiles of one item, which reuse its rows while
-  # they are hot. Not yet timed on the GPU (see bench_moe's ``pallas_tile_minor``).
-  grid_order: str = "item_minor"
+  # Launch order of the (output tile, work item) programs; Mosaic GPU runs the last grid axis
+  # fastest. "tile_minor" (default): consecutive programs take consecutive output tiles of one
+  # item, which reuse its input rows while they are in L2. "item_minor": consecutive items of one
+  # output tile, so each item's rows are re-read once per sweep over all items (the down kernel's
+  # rows are R x I bf16 per item: ~24 MB at 384 experts and T = 136, ~50 MB at T = 544). Same run
+  # on the H200 (bench_moe.md), GPU time tile_minor / item_minor: 0.79-0.97x in every bf16 cell
+  # but one (48 experts, T = 9: 1.04x) and 0.82-0.99x in every INT4 cell but two (384 experts,
+  # T = 9 and 17: 1.04x, 1.01x); 0.79x and 0.82x at T = 544, where the down kernel's time falls
+  # from 2128 to 1290 us (INT4).
+  grid_order: str = "tile_minor"
 
   def __post_init__(self):
     if self.grid_order not in ("item_minor", "tile_minor"):
@@ -243,8 +233,7 @@ def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, 
   else:
     weights = num_w * bk * TILE_N * 2
   per_stage = weights + block_rows * bk * 2
-  out_tiles = block_rows * TILE_N * (2 if cfg.splits == 1 else 4 * num_w)  # bf16 result or f32 partials
-  fixed = out_tiles + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
+  fixed = block_rows * TILE_N * 2 + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
   return stages * per_stage + fixed
 
 
@@ -274,12 +263,6 @@ def _swizzle_elems(*dims: int) -> int:
 
 def _bf16_transforms(atom: int):
   return (plgpu.TilingTransform((8, atom)), plgpu.SwizzleTransform(atom * 2))
-
-
-def _f32_transforms(minor: int):
-  """float32 tiles of ``minor`` (16 .. 128) columns: the widest swizzle (64 or 128 bytes) they span."""
-  atom = min(32, minor)
-  return (plgpu.TilingTransform((8, atom)), plgpu.SwizzleTransform(atom * 4))
 
 
 def _silu_mul(gate, up):
@@ -370,7 +353,7 @@ def _dequant_words_jnp(words_smem, scale_smem, block_k: int):
 
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
-                    grid_order: str = "item_minor"):
+                    grid_order: str):
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
@@ -380,10 +363,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     weights: tuple of bf16 [E, K, N] (one or two of them), or of ``KernelInt4Matrix`` [E, N, K].
     fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
   Returns:
-    bf16 [W * R, N]; or, with ``cfg.splits`` S > 1, float32 [S, len(weights), N, W * R]: each
-    split's partial (x @ w)^T per weight (the sum, silu and transpose are the caller's). Plus, when
-    ``count_tile_loads``, int32 [S, ceil(N / 64), W]: pipeline steps (each loading one tile of
-    every weight) per program, 0 where the program skipped.
+    bf16 [W * R, N]; plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps
+    (each loading one tile of every weight) per program, 0 where the program skipped.
   """
   r, bk = block_rows, cfg.block_k
   w_items = work_expert.shape[0]
@@ -411,11 +392,6 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   else:
     x_atom = _swizzle_elems(k_in, n_out, TILE_N)
   out_atom = _swizzle_elems(n_out, TILE_N)
-  splits = cfg.splits
-  if k_steps % splits:
-    raise ValueError(f"TileConfig.splits={splits} must divide the {k_steps} K steps of {bk} features "
-                     f"(K = {k_in})")
-  split_steps = k_steps // splits
 
   def body(expert_ref, *refs):
     if direct:
@@ -425,18 +401,15 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     w_refs = refs[:len(flat_weights)]
     out_ref = refs[len(flat_weights)]
     count_ref = refs[len(flat_weights) + 1] if count_tile_loads else None
-    # out_smem: the bf16 result tile [R, TILE_N]; with K splits, a float32 tile [TILE_N, R] per weight.
     out_smem, *deq_smem = refs[len(flat_weights) + 1 + count_tile_loads:]
     n = lax.axis_index("n")
     w = lax.axis_index("w")
-    split = lax.axis_index("s")
-    k0 = split * split_steps  # this program's first K step
     expert = expert_ref[w]
 
     if count_tile_loads:
       @pl.when(expert < 0)
       def _():
-        count_ref[split, n, w] = jnp.int32(0)
+        count_ref[n, w] = jnp.int32(0)
 
     @pl.when(expert >= 0)
     def _():
@@ -466,57 +439,42 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
         if is_int4:
           in_specs = []
           for _ in range(num_w):
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, k0 + k),
-                                            transforms=WORDS_TRANSFORMS))
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, k0 + k)))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, k), transforms=WORDS_TRANSFORMS))
+            in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, k)))
         else:
-          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k0 + k, n), transforms=_bf16_transforms(x_atom),
+          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
                                       delay_release=1)
                       for _ in range(num_w)]
         # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
         start = pl.multiple_of(start_ref[w], ROW_ALIGN) if direct else w * r
         x_rows = x_ref.at[pl.ds(start, r)]
-        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, k0 + k), transforms=_bf16_transforms(x_atom),
+        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, k), transforms=_bf16_transforms(x_atom),
                                         delay_release=0 if is_int4 else 1))
-        steps = plgpu.emit_pipeline(step, grid=(split_steps,), in_specs=in_specs,
+        steps = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
                                     max_concurrent_steps=stages, init_carry=jnp.int32(0))(
                                         *[ref.at[expert] for ref in w_refs], x_rows)
         if count_tile_loads:
-          count_ref[split, n, w] = steps
+          count_ref[n, w] = steps
         return tuple(acc[...] for acc in accs)
 
       accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
-      rows, cols = pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)
-      if splits == 1:
-        result = _silu_mul(*accs) if fuse_silu else accs[0]
-        out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, cols])
-      else:
-        for i, acc in enumerate(accs):
-          out_smem[i][...] = acc
-        plgpu.commit_smem()
-        for i in range(num_w):
-          plgpu.copy_smem_to_gmem(out_smem[i], out_ref.at[split, i, cols, rows])
+      result = _silu_mul(*accs) if fuse_silu else accs[0]
+      out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  if splits == 1:
-    out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
-    scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
-  else:
-    # Stored as the MMA leaves them, features-major: for a transposed float32 store (as the bf16
-    # result takes) Mosaic GPU's layout inference found no layout (jax 0.11.2).
-    out_types = [jax.ShapeDtypeStruct((splits, num_w, n_out, w_items * r), jnp.float32)]
-    scratch = [[plgpu.SMEM((TILE_N, r), jnp.float32, transforms=_f32_transforms(r)) for _ in range(num_w)]]
+  out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
   if count_tile_loads:
-    out_types.append(jax.ShapeDtypeStruct((splits, n_tiles, w_items), jnp.int32))
+    out_types.append(jax.ShapeDtypeStruct((n_tiles, w_items), jnp.int32))
+  scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
   if smem_dequant:
     scratch += [plgpu.SMEM((TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
   kernel = plgpu.kernel(
       body, out_type=tuple(out_types),
-      grid=(splits, n_tiles, w_items) if grid_order == "item_minor" else (splits, w_items, n_tiles),
-      grid_names=("s", "n", "w") if grid_order == "item_minor" else ("s", "w", "n"),
+      grid=(n_tiles, w_items) if grid_order == "item_minor" else (w_items, n_tiles),
+      grid_names=("n", "w") if grid_order == "item_minor" else ("w", "n"),
       kernel_name="moe_gate_up" if fuse_silu else "moe_down",  # named in profiles (CUPTI, ncu)
       scratch_types=scratch, interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
@@ -658,23 +616,18 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
 
 def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, tiles, interpret,
                         count_tile_loads=False):
-  """gate/up then down: bf16 x_sorted [>= R, H] -> bf16 [W * R, H] in the work layout (plus, when
-  ``count_tile_loads``, each kernel's steps per (output tile, item), summed over K splits)."""
+  """gate/up then down: bf16 x_sorted [>= R, H] -> bf16 [W * R, H] in the work layout."""
   tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
                 count_tile_loads=count_tile_loads, grid_order=tiles.grid_order)
-
-  def run(x, block_start, weights, fuse_silu, cfg):
-    outs = _grouped_kernel(x, work.expert, block_start, weights, fuse_silu=fuse_silu, cfg=cfg, **common)
-    out, loads = outs if count_tile_loads else (outs, None)
-    if cfg.splits > 1:  # float32 partials [S, weights, N, W * R], summed in split order
-      total = jnp.sum(out, axis=0)
-      out = (_silu_mul(*total) if fuse_silu else total[0]).T.astype(jnp.bfloat16)
-    return out, (None if loads is None else jnp.sum(loads, axis=0))
-
-  h, h_loads = run(x_sorted, work.block_start, (experts.gate, experts.up), True, tiles.gate_up)
-  out, out_loads = run(h, None, (experts.down,), False, tiles.down)
-  return (out, h_loads, out_loads) if count_tile_loads else out
+  h = _grouped_kernel(x_sorted, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
+                      cfg=tiles.gate_up, **common)
+  h, h_loads = h if count_tile_loads else (h, None)
+  out = _grouped_kernel(h, work.expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
+  if count_tile_loads:
+    out, out_loads = out
+    return out, h_loads, out_loads
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
@@ -685,9 +638,8 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
 
   Returns:
     (y [A, H], gate_up_steps int32 [ceil(I / 64), W], down_steps int32 [ceil(H / 64), W]): the
-    pipeline steps each (output tile, work item) ran (over its K splits' programs), each loading
-    one [64, block_k] tile of every weight of its kernel (gate and up, or down); 0 where the
-    programs skipped.
+    pipeline steps each (output tile, work item) program ran, each loading one [64, block_k]
+    tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
                       True)

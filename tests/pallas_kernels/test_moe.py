@@ -165,37 +165,6 @@ def test_expert_over_two_windows_at_32_rows(fmt):
   assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
 
 
-@pytest.mark.parametrize("fmt,gate_up_splits,down_splits", [("bf16", 4, 3), ("int4", 2, 2)])
-def test_k_splits_match_reference(fmt, gate_up_splits, down_splits):
-  check_k_splits(fmt, gate_up_splits, down_splits, INTERPRET)
-
-
-def check_k_splits(fmt, gate_up_splits, down_splits, interpret, int4_dequant=None):
-  """K split over programs (float32 partials summed after the kernel): the same rows as the
-  reference, and every live (output tile, item) still runs all K steps, split or not."""
-  hidden, inter = 480, 288  # bf16: 8 and 3 K steps; INT4 (K padded to 512): 2 and 2
-  rng = np.random.default_rng(21)
-  order, sizes = routing(rng, 9, 2, E, (0, 2, 3, 5), num_padded=2)
-  x = sorted_rows(rng, order, sizes, hidden)
-  experts = as_format(random_weights(21, hidden=hidden, inter=inter), fmt)
-  base = moe.default_tiles(experts)
-  tiles = moe.KernelTiles(dataclasses.replace(base.gate_up, splits=gate_up_splits),
-                          dataclasses.replace(base.down, splits=down_splits))
-  y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, tiles=tiles,
-                                                                 interpret=interpret, int4_dequant=int4_dequant)
-  assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
-  block_rows = moe.default_block_rows(E, len(order))
-  gate_up_k, down_k = (8, 3) if fmt == "bf16" else (2, 2)
-  for steps, k_steps in ((gate_up_steps, gate_up_k), (down_steps, down_k)):
-    steps = np.asarray(steps)
-    live = np.zeros(steps.shape[1], bool)
-    live[[w for w, slot in enumerate(expected_slots(sizes, block_rows, len(order))) if slot[0] >= 0]] = True
-    assert (steps[:, live] == k_steps).all() and (steps[:, ~live] == 0).all()
-  with pytest.raises(ValueError, match="must divide"):
-    moe.moe_experts(x, jnp.asarray(sizes), experts, interpret=interpret, int4_dequant=int4_dequant,
-                    tiles=moe.KernelTiles(dataclasses.replace(base.gate_up, splits=3), base.down))
-
-
 def expected_items(sizes, block_rows):
   """(expert, first row, rows) per live work item, by a plain loop over the experts: windows of
   R rows from each expert's first row rounded down to 8."""
@@ -476,12 +445,6 @@ def test_gpu_matches_reference_random_routing(gpu, fmt, dequant, num_tokens):
 @pytest.mark.parametrize("fmt,dequant", FORMATS)
 def test_gpu_all_tokens_on_one_expert(gpu, fmt, dequant):
   check_case(fmt, 40, seed=7, interpret=None, int4_dequant=dequant, top_k=1, allowed=(4,), num_padded=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt,dequant", FORMATS)
-def test_gpu_k_splits_match_reference(gpu, fmt, dequant):
-  check_k_splits(fmt, 4 if fmt == "bf16" else 2, 3 if fmt == "bf16" else 2, None, dequant)
 
 
 @pytest.mark.gpu
