@@ -47,19 +47,20 @@ packed layout pads K to a multiple of 256 with zero weights).
 
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
-bf16 runs at 83-90% of the touched experts' read roofline for T = 1..136 with 384 experts and
-80-89% for T = 9..136 with the 48-expert share; INT4 at 62-75% for T = 9..136 with 384 experts
-(53% at T = 1) and 49-71% for T = 9..136 with 48. Where few experts are touched the INT4 kernels are
+bf16 runs at 85-96% of the touched experts' read roofline for T = 1..136 with 384 experts and
+82-93% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts (54%
+at T = 1) and 49-68% for T = 9..136 with 48. Where few experts are touched the INT4 kernels are
 latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
 programs and two warps per scheduler) ncu reads DRAM at 61% of its peak and the schedulers issuing
-in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and tile-major
-weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%, +24% and
--3%. The plain-jnp work list, pad and take cost ~15 us a call there. Wall time per call is higher at small T: XLA's host-side work per node of the
-step's CUDA graph (``benchmarks/moe_timeline.py``). Splitting K over more programs did not pay,
-neither chosen per call (``tune_moe.md``) nor static with float32 partials summed by XLA (2 splits,
-same run: 384 experts T = 1 INT4 94-98 against 82 us, 48 experts T = 9 126-133 against 96 us;
-more programs per SM did not shorten the gate/up kernel). Each row's result depends only on its own
-input (fixed tiles, K in a fixed order), whatever the other rows.
+in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and
+tile-major weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%,
++24% and -3%. The plain-jnp work list, pad and take cost ~15 us a call there. Wall time per call is
+higher at small T: XLA's host-side work per node of the step's CUDA graph
+(``benchmarks/moe_timeline.py``). Splitting K over more programs did not pay, neither chosen per
+call (``tune_moe.md``) nor static with float32 partials summed by XLA (2 splits, same run: 384
+experts T = 1 INT4 94-98 against 82 us, 48 experts T = 9 126-133 against 96 us; more programs per
+SM did not shorten the gate/up kernel). Each row's result depends only on its own input (fixed
+tiles, K in a fixed order), whatever the other rows.
 """
 
 import dataclasses
