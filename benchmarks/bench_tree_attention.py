@@ -14,7 +14,8 @@ kernel's own time (its merge epilogue and index prep excluded) is reported besid
 
 Three times per cell (CUPTI, medians, the same calls):
   * ``time_us`` ("whole call"): ``mla_tree_attention(...)`` as one call: the window-metadata fusion
-    (``_window_meta``), the attention kernel and the merge kernels;
+    (``_window_meta``), the attention kernel and the merge (by default one Mosaic GPU merge
+    kernel; with ``Options(merge="pairwise")`` two XLA fusions);
   * ``layer_us`` ("per layer"): ``mla_tree_attention(..., window_meta=meta)`` with ``meta`` from
     ``prepare_mla_window`` built outside the timed call: the attention kernel and the merge. This
     is what each layer of the model pays, since ``KimiModel`` builds the metadata once per step
@@ -275,6 +276,10 @@ def variant_list():
   out = [(goal, "bf16 partials (half the merge's reads)", dict(partial_dtype="bfloat16")),
          (goal, "22 splits (half the partials)", dict(num_splits=22)),
          (goal, "merge two_pass", dict(options=O(merge="two_pass")))]
+  # The merge as one Mosaic GPU kernel against the XLA merge (2 fusions), same run, 32k cells.
+  for cell in [goal, (8, 1, 32768, 9), (8, 1, 32768, 33)]:
+    out.append((cell, "merge kernel (Mosaic GPU, 1 kernel)", dict(options=O(merge="kernel"))))
+    out.append((cell, "merge pairwise (XLA, 2 kernels)", dict(options=O(merge="pairwise"))))
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
     out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))
     out.append((cell, "rows_m", dict(options=O(form="rows_m"))))
@@ -329,8 +334,9 @@ def variants_markdown(results):
                  f"{r['variant']} | {r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | "
                  f"{r['layer_us']:.1f} | {r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
   base = [r for r in results["rows"] + results["variants"] if "breakdown_us" in r
-          and (r["heads"], r["batch"], r["cached"], r["q_len"]) == (8, 1, 32768, 17)]
-  for r in base[:1]:
+          and (r["heads"], r["batch"], r["cached"], r["q_len"]) == (8, 1, 32768, 17)
+          and not r.get("variant", "").startswith("probe")]
+  for r in base:
     lines += ["", f"Per-kernel median us of one call (h{r['heads']} b{r['batch']} "
               f"{r['cached'] // 1024}k q{r['q_len']}, {r.get('variant', 'default')}): " +
               ", ".join(f"{name[:40]} {us}" for name, us in r["breakdown_us"])]
@@ -367,7 +373,8 @@ def markdown(results):
                f"kernels, launch gaps excluded).")
   lines += ["", "Columns:", "",
             "- *time us* (whole call): `mla_tree_attention(...)` alone: the window-metadata fusion, "
-            "the attention kernel and the merge kernels.",
+            "the attention kernel and the merge (by default one Mosaic GPU kernel; the XLA merge, "
+            "`merge=\"pairwise\"`, is two fusions).",
             "- *layer us* (per layer): `mla_tree_attention(..., window_meta=meta)` with `meta` from "
             "`prepare_mla_window` built outside the timed call: the attention kernel and the merge. "
             "What each model layer pays: `KimiModel` builds the metadata once per step for all "

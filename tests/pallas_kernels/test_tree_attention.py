@@ -152,13 +152,50 @@ def test_merges_agree_with_empty_and_far_apart_splits():
     weight = np.exp2(lse.astype(np.float64) - lse.max(axis=1, keepdims=True))
   want = (weight[..., None] * o).sum(1) / weight.sum(1)[..., None]
   want = want.reshape(bg, n_rt * rt, dv)[:, :rows]
-  for merge in ("pairwise", "two_pass"):
+  for merge in ("pairwise", "two_pass", "kernel"):
     pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
                   num_splits=splits, rows_stored=rt, reduction_scratch=2048, value_wgs=1,
                   options=ta.Options(merge=merge))
-    got = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows))
-    assert np.isfinite(got).all(), merge
+    got = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows, interpret=INTERPRET))
+    if merge == "kernel":
+      check_no_races()
+    assert got.shape == want.shape and np.isfinite(got).all(), merge
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
+
+
+def test_merge_kernel_row_mapping_and_wide_rows():
+  # The merge kernel (one CTA per output row) on two row tiles of 16 rows, 320 columns (5 TMA
+  # column chunks of 64) and a row count that ends inside the second tile; every row's weights
+  # differ, so a row read from the wrong tile, row or split fails. No XLA reductions remain.
+  rng = np.random.default_rng(6)
+  bg, n_rt, splits, dv, rt = 2, 2, 5, 320, 16
+  o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
+  lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 8).astype(np.float32)
+  lse[1, 3] = -np.inf
+  o[1, 3] = 0.0
+  rows = n_rt * rt - 3
+  weight = np.exp2(lse.astype(np.float64) - lse.max(axis=1, keepdims=True))
+  want = ((weight[..., None] * o).sum(1) / weight.sum(1)[..., None]).reshape(bg, n_rt * rt, dv)
+  pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
+                options=ta.Options(merge="kernel"))
+  got = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows, interpret=INTERPRET))
+  check_no_races()
+  np.testing.assert_allclose(got, want[:, :rows], rtol=1e-5, atol=1e-5)
+  jaxpr = jax.make_jaxpr(lambda a, b: ta._merge(a, b, pl_, rows))(jnp.asarray(o), jnp.asarray(lse))
+  assert not {e.primitive.name for e in jaxpr.eqns} & {"reduce_sum", "exp2", "reduce_max"}
+  # Too many splits for one CTA's shared memory: the XLA merge instead (same result).
+  assert not ta._merge_kernel_fits((1, 200, 3, 64, 512), (1, 200, 3, 64))
+  assert ta._merge_kernel_fits((1, 43, 3, 64, 512), (1, 43, 3, 64))
+
+
+@pytest.mark.parametrize("form", ["rows_n", "rows_m"])
+def test_mla_merge_kernel_end_to_end(form):
+  # The whole call with the merge kernel, both forms, several splits (some empty).
+  rng = np.random.default_rng(103)
+  got, want, valid = run_mla(rng, batch=2, q_len=9, heads=2, latent=128, rope=32, cache_len=250,
+                             num_splits=5, options=ta.Options(merge="kernel", form=form))
+  assert_matches(got, want, valid)
 
 
 def test_mla_bf16_partial_outputs():

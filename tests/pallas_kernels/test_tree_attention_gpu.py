@@ -33,7 +33,7 @@ def needs_gpu():
 
 
 def mla_case(seed, *, batch, q_len, heads, latent, rope, cache_len, num_splits=None,
-             dtype=jnp.bfloat16):
+             dtype=jnp.bfloat16, options=None):
   rng = np.random.default_rng(seed)
   slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
   pool = batch + 2
@@ -41,7 +41,8 @@ def mla_case(seed, *, batch, q_len, heads, latent, rope, cache_len, num_splits=N
       (batch, q_len, heads, latent), (batch, q_len, heads, rope), (pool, cache_len, latent),
       (pool, cache_len, rope))]
   scale = 1.5 / np.sqrt(latent + rope)
-  got = jax.jit(lambda *a: ta.mla_tree_attention(*a, scale=scale, num_splits=num_splits))(
+  got = jax.jit(lambda *a: ta.mla_tree_attention(*a, scale=scale, num_splits=num_splits,
+                                                 options=options))(
       *args, slots, prefix_len, visibility, valid)
   with jax.default_matmul_precision("highest"):  # the reference in true float32, not TF32
     want = jax.jit(functools.partial(reference.mla_tree_attention, scale=scale))(
@@ -62,6 +63,18 @@ def test_mla_split_counts_and_64_heads(num_splits):
   got, want, valid = mla_case(100 + num_splits, batch=2, q_len=9, heads=64, latent=512, rope=64,
                               cache_len=1500, num_splits=num_splits)
   assert_matches(got, want, valid)
+
+
+@pytest.mark.parametrize("q_len,num_splits", [(17, None), (9, None), (33, 7), (65, 64)])
+def test_mla_merge_kernel_at_kimi_widths(q_len, num_splits):
+  # The Mosaic GPU merge kernel at Kimi's widths, against the reference and against the XLA merge
+  # of the same partials (only the merge arithmetic differs).
+  kw = dict(batch=2, q_len=q_len, heads=8, latent=512, rope=64, cache_len=5000 + q_len,
+            num_splits=num_splits)
+  got, want, valid = mla_case(q_len + 200, options=ta.Options(merge="kernel"), **kw)
+  assert_matches(got, want, valid)
+  xla, _, _ = mla_case(q_len + 200, options=ta.Options(merge="pairwise"), **kw)
+  np.testing.assert_allclose(got, xla, rtol=0, atol=1e-5)
 
 
 def test_mla_demo_widths():

@@ -118,14 +118,16 @@ def test_single_split_merge_is_the_partial_bit_for_bit():
   lse[1, 0, 2, 5:] = -np.inf
   o[1, 0, 2, 5:] = 0.0
   rows = n_rt * rt - 5
-  for dtype in (jnp.float32, jnp.bfloat16):
+  for dtype, merge in [(jnp.float32, "kernel"), (jnp.bfloat16, "kernel"),
+                       (jnp.float32, "pairwise"), (jnp.bfloat16, "pairwise")]:
     pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2, num_splits=1,
-                  rows_stored=rt, reduction_scratch=0, value_wgs=1, options=ta.Options())
+                  rows_stored=rt, reduction_scratch=0, value_wgs=1,
+                  options=ta.Options(merge=merge))
     args = (jnp.asarray(o, dtype), jnp.asarray(lse), pl_, rows)
     skipped = np.asarray(ta._merge(*args))
-    merged = np.asarray(ta._merge(*args, skip_single=False))
+    merged = np.asarray(ta._merge(*args, skip_single=False, interpret=INTERPRET))
     assert skipped.dtype == np.float32 and skipped.shape == (bg, rows, dv)
-    np.testing.assert_array_equal(skipped, merged)
+    np.testing.assert_array_equal(skipped, merged, err_msg=merge)
     np.testing.assert_array_equal(skipped, np.asarray(jnp.asarray(o, dtype), np.float32)
                                   .reshape(bg, n_rt * rt, dv)[:, :rows])
   # The skip leaves no merge kernels: nothing but a slice and a convert in the jaxpr.
