@@ -889,7 +889,7 @@ def _transforms(swizzle: int):
 def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid, *, scale,
             q_len, heads_per_group, num_groups, interpret, num_splits=None,
             partial_dtype="float32", rows_per_tile=None, options=None, window_meta=None,
-            name="tree attention"):
+            name="tree attention", call_dims=()):
   """Runs the kernel on folded operands and merges the partials.
 
   Args:
@@ -898,6 +898,8 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       key part 0 (absorbed MLA).
     slots, prefix_len: int32[B]; visibility: bool[B, Q, Q]; valid: bool[B, Q].
     window_meta: a ``WindowMeta`` built for this call's shapes, or None to build it here.
+    call_dims: ((name, value), ...) of the caller's own widths and pool length, checked against
+      ``window_meta`` beside what the metadata itself depends on (``_meta_layout``).
   Returns:
     float32 [BG, rows, Dv].
   """
@@ -916,7 +918,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   if rows_in != rows:
     q_parts = [jnp.pad(q, ((0, 0), (0, rows_in - rows), (0, 0))) for q in q_parts]
   layout = _meta_layout(batch=valid.shape[0], q_len=q_len, heads_per_group=heads_per_group,
-                        num_groups=num_groups, cache_len=cache_len, pl_=pl_)
+                        num_groups=num_groups, cache_len=cache_len, pl_=pl_, call_dims=call_dims)
   if window_meta is None:
     meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
                         heads_per_group=heads_per_group, num_groups=num_groups, n_rt=n_rt,
@@ -1020,12 +1022,15 @@ class WindowMeta:
   layout: tuple  # ((name, value), ...): what the array was built for (see ``_meta_layout``)
 
 
-def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: Plan) -> tuple:
+def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: Plan,
+                 call_dims=()) -> tuple:
   """What a window's metadata depends on besides the window's values (``cache_len`` is the
-  pool's column count after the kernel's padding: the live length is clipped to it)."""
+  pool's column count after the kernel's padding: the live length is clipped to it), then the
+  call's own widths and unpadded pool length (``call_dims``: the array would often be the same
+  for others, but a meta prepared for other shapes is a caller's mistake, so it raises)."""
   return (("batch", batch), ("q_len", q_len), ("heads_per_group", heads_per_group),
           ("num_groups", num_groups), ("padded cache_len", cache_len),
-          ("rows_per_tile", pl_.rows_per_tile), ("row_tiles", pl_.num_row_tiles))
+          ("rows_per_tile", pl_.rows_per_tile), ("row_tiles", pl_.num_row_tiles)) + tuple(call_dims)
 
 
 def _checked_meta(name, window_meta, layout):
@@ -1049,7 +1054,7 @@ def _checked_meta(name, window_meta, layout):
 
 
 def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num_groups, key_dims,
-             value_dim, shared_value, cache_len, num_splits, rows_per_tile, options):
+             value_dim, shared_value, cache_len, num_splits, rows_per_tile, options, call_dims):
   batch, q_len = valid.shape if valid.ndim == 2 else (None, None)
   if batch is None:
     raise ValueError(f"{name}: valid must be [B, Q], got shape {tuple(valid.shape)}")
@@ -1067,7 +1072,15 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
                       rows_per_tile=pl_.rows_per_tile)
   return WindowMeta(meta=meta, layout=_meta_layout(
       batch=batch, q_len=q_len, heads_per_group=heads_per_group, num_groups=num_groups,
-      cache_len=padded_len, pl_=pl_))
+      cache_len=padded_len, pl_=pl_, call_dims=call_dims))
+
+
+def _mla_dims(latent_dim, rope_dim, cache_len):
+  return (("latent_dim", latent_dim), ("rope_dim", rope_dim), ("cache_len", cache_len))
+
+
+def _mha_dims(head_dim, cache_len):
+  return (("head_dim", head_dim), ("cache_len", cache_len))
 
 
 def prepare_mla_window(slots, prefix_len, visibility, valid, *, heads: int, latent_dim: int,
@@ -1091,7 +1104,8 @@ def prepare_mla_window(slots, prefix_len, visibility, valid, *, heads: int, late
   return _prepare("prepare_mla_window", slots, prefix_len, visibility, valid,
                   heads_per_group=heads, num_groups=1, key_dims=[latent_p, rope_p],
                   value_dim=latent_p, shared_value=True, cache_len=cache_len,
-                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
+                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options,
+                  call_dims=_mla_dims(latent_dim, rope_dim, cache_len))
 
 
 def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_heads: int,
@@ -1106,7 +1120,8 @@ def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_h
   return _prepare("prepare_mha_window", slots, prefix_len, visibility, valid,
                   heads_per_group=heads // kv_heads, num_groups=kv_heads, key_dims=[dim_p],
                   value_dim=dim_p, shared_value=False, cache_len=cache_len,
-                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
+                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options,
+                  call_dims=_mha_dims(head_dim, cache_len))
 
 
 def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, interpret=None):
@@ -1307,7 +1322,8 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
                 slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                 scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
                 interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
-                rows_per_tile=rows_per_tile, options=options, window_meta=window_meta, name=name)
+                rows_per_tile=rows_per_tile, options=options, window_meta=window_meta, name=name,
+                call_dims=_mla_dims(latent, rope, c_kv.shape[1]))
   return out[..., :latent].reshape(batch, q_len, heads, latent)
 
 
@@ -1349,6 +1365,6 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
                 visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
                 num_groups=groups, interpret=interpret, num_splits=num_splits,
                 partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options,
-                window_meta=window_meta, name=name)
+                window_meta=window_meta, name=name, call_dims=_mha_dims(dim, k.shape[1]))
   out = out[..., :dim].reshape(batch, groups, q_len, rep, dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dim)

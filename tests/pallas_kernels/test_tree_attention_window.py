@@ -108,6 +108,34 @@ def test_mismatched_meta_raises_naming_the_mismatch():
     prep(window[0], window[1], window[2][:, :3], window[3])
 
 
+def test_meta_for_other_widths_or_pool_length_raises():
+  # Widths and pool lengths that leave the row tiles and the padded pool unchanged (so the meta
+  # array itself would be the same) are still another call's shapes: they must raise, as the
+  # docstrings promise, not pass silently. No kernel call here.
+  rng = np.random.default_rng(4)
+  args, window = mla_inputs(rng, batch=2, q_len=9, heads=2, latent=128, rope=32, cache_len=203)
+  call = functools.partial(ta.mla_tree_attention, *args, *window, scale=0.1, interpret=INTERPRET)
+  prep = functools.partial(ta.prepare_mla_window, *window, heads=2, latent_dim=128, rope_dim=32,
+                           cache_len=203)
+  with pytest.raises(ValueError, match=r"latent_dim 64 \(prepared\) != 128"):
+    call(window_meta=prep(latent_dim=64))
+  with pytest.raises(ValueError, match=r"rope_dim 64 \(prepared\) != 32"):
+    call(window_meta=prep(rope_dim=64))
+  with pytest.raises(ValueError, match=r"cache_len 205 \(prepared\) != 203"):
+    call(window_meta=prep(cache_len=205))  # both pad to 208
+  # MHA: another head width (both pad to 64).
+  q, k, v = (jnp.zeros(s, jnp.float32) for s in ((2, 9, 4, 64), (4, 203, 2, 64), (4, 203, 2, 64)))
+  mha = functools.partial(ta.mha_tree_attention, q, k, v, *window, scale=0.1, interpret=INTERPRET)
+  with pytest.raises(ValueError, match=r"head_dim 48 \(prepared\) != 64"):
+    mha(window_meta=ta.prepare_mha_window(*window, heads=4, kv_heads=2, head_dim=48,
+                                          cache_len=203))
+  # An MLA meta in an MHA call with one K/V head (same rows and groups): another kind of call.
+  q1, k1 = jnp.zeros((2, 9, 2, 128), jnp.float32), jnp.zeros((4, 203, 1, 128), jnp.float32)
+  with pytest.raises(ValueError, match=r"head_dim None \(prepared\) != 128"):
+    ta.mha_tree_attention(q1, k1, k1, *window, scale=0.1, interpret=INTERPRET,
+                          window_meta=prep(rope_dim=32))
+
+
 def test_single_split_merge_is_the_partial_bit_for_bit():
   # With one split the merge is skipped; the general merge must give exactly the same values
   # (weight 2^(lse - lse) = 1; rows that saw nothing have lse -inf and zero partials).
