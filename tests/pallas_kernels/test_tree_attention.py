@@ -189,6 +189,50 @@ def test_merge_kernel_row_mapping_and_wide_rows():
   assert ta._merge_kernel_fits((1, 43, 3, 64, 512), (1, 43, 3, 64))
 
 
+def test_merge_kernel_row_no_split_saw_is_zero():
+  # A real row whose every split is empty (lse -inf everywhere, zero partials) merges to zeros,
+  # as the XLA merges give, not NaN (2^(-inf - -inf)); the rows beside it are unaffected.
+  rng = np.random.default_rng(7)
+  bg, n_rt, splits, dv, rt = 1, 1, 3, 64, 8
+  o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
+  lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 4).astype(np.float32)
+  lse[0, :, 0, 2] = -np.inf
+  o[0, :, 0, 2] = 0.0
+  rows = 6
+  got = {}
+  for merge in ("kernel", "pairwise"):
+    pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                  num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
+                  options=ta.Options(merge=merge))
+    got[merge] = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows,
+                                      interpret=INTERPRET))
+  check_no_races()
+  assert np.isfinite(got["kernel"]).all()
+  np.testing.assert_array_equal(got["kernel"][0, 2], np.zeros(dv, np.float32))
+  np.testing.assert_allclose(got["kernel"], got["pairwise"], rtol=1e-5, atol=1e-6)
+
+
+def test_merge_kernel_falls_back_to_xla_where_it_does_not_fit():
+  # Where one row of every split exceeds the merge kernel's shared memory (or a TMA box's 256
+  # splits), merge="kernel" must run the XLA merge: no kernel in the jaxpr, the pairwise result.
+  rng = np.random.default_rng(9)
+  bg, n_rt, splits, dv, rt, rows = 1, 1, 100, 512, 64, 8  # 100 x (512 + 64) x 4 B > 200 KB
+  o = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt, dv)), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt)) * 4, jnp.float32)
+  assert not ta._merge_kernel_fits(o.shape, lse.shape)
+  assert not ta._merge_kernel_fits((1, 300, 1, 8, 8), (1, 300, 1, 8))  # box dimension > 256
+  assert ta._merge_kernel_fits((1, 256, 1, 8, 8), (1, 256, 1, 8))
+  plans = {m: ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                      num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
+                      options=ta.Options(merge=m)) for m in ("kernel", "pairwise")}
+  merge = lambda m: (lambda a, b: ta._merge(a, b, plans[m], rows, interpret=INTERPRET))
+  prims = {m: {e.primitive.name for e in jax.make_jaxpr(merge(m))(o, lse).eqns}
+           for m in plans}
+  assert prims["kernel"] == prims["pairwise"] and "reduce_sum" in prims["kernel"]
+  np.testing.assert_array_equal(np.asarray(merge("kernel")(o, lse)),
+                                np.asarray(merge("pairwise")(o, lse)))
+
+
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
 def test_mla_merge_kernel_end_to_end(form):
   # The whole call with the merge kernel, both forms, several splits (some empty).
