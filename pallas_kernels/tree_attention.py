@@ -56,15 +56,14 @@ Layout of the work (why it is shaped this way):
     waves x tiles per CTA, so batch 8 with long trees runs several waves rather than one split per
     request. Each split writes a normalised partial output, as ``O`` ([rows, Dv], through a
     transposed view and the transposed WGMMA register layout), and its base-2 log-sum-exp. One
-    Mosaic GPU kernel merges them (``_merge_kernel``, ``Options.merge="kernel"``: one CTA per
-    real output row reads that row of every split with one TMA box and writes the final float32
-    row); the XLA merge ("pairwise": split weights, then one weighted-sum reduction, two
-    kernels) remains selectable and is the fallback where one row of every split does not fit a
-    CTA's shared memory. H200, b1/32k/q17, same run, per layer: 36.3 us with the merge kernel
-    (4.1-4.2 us of it) against 38.1 with the XLA merge (2.27 + 3.58 us); the merge kernel moves
-    the 12 MB of fp32 partials of the real rows at ~2.9 TB/s, so their traffic, not launches,
-    now bounds it. A plan with one split has nothing to merge: the partial is the output (no
-    merge kernel).
+    Mosaic GPU kernel merges them where it was timed faster (``_merge_kernel``: one CTA per real
+    output row reads that row of every split with one TMA box and writes the final float32 row;
+    ``Options.merge="auto"`` takes it for fp32 partials and 64..512 merged rows in all, else the
+    XLA merge, "pairwise": split weights, then one weighted-sum reduction, two kernels; "kernel"
+    forces it wherever one row of every split fits a CTA's shared memory). H200, b1/32k/q17, same
+    run, per layer: 36.3 us with the merge kernel (4.1-4.2 us of it) against 38.1 with the XLA
+    merge (2.27 + 3.58 us); it moves the 12 MB of fp32 partials of the real rows at ~2.9 TB/s.
+    A plan with one split has nothing to merge: the partial is the output (no merge kernel).
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
@@ -175,9 +174,11 @@ class Options:
     "split"/"auto" (see ``_plan_rows_m`` for why a softmax-only warpgroup does not compile).
   regs: registers per thread of warpgroups 0 and 1 (setmaxnreg; with the memory warpgroup's 40
     at most 512 in all); 0: 232 each (form "rows_n" only).
-  merge: "kernel" (default: one Mosaic GPU kernel, ``_merge_kernel``, reads each real row's
-    partials and log-sum-exps and writes the final float32 rows; where one row of every split does
-    not fit its shared memory, ``_merge_kernel_fits``, the "pairwise" XLA merge runs instead),
+  merge: "auto" (default: "kernel" for float32 partials and ``MERGE_KERNEL_ROWS`` merged rows,
+    where it was timed faster, else "pairwise"), "kernel" (one Mosaic GPU kernel,
+    ``_merge_kernel``, reads each real row's partials and log-sum-exps and writes the final
+    float32 rows; where one row of every split does not fit its shared memory,
+    ``_merge_kernel_fits``, the "pairwise" XLA merge runs instead),
     "pairwise" (XLA: each split's weight 1 / sum_t 2^(lse_t - lse_s) in one fusion, and one
     weighted sum: two kernels) or "two_pass" (XLA: max, then exponentials and sums: three).
   form: which kernel. "rows_n": the query rows on the wgmma N side (S^T = K Q^T, O^T = V^T P^T;
@@ -194,7 +195,7 @@ class Options:
 
   lazy_sum: bool = True
   pv: str = "auto"
-  merge: str = "kernel"
+  merge: str = "auto"
   reduction_scratch: int = 0  # bytes of cross-warp reduction scratch; 0: as much as helps and fits
   regs: tuple = (0, 0)
   form: str = "auto"
@@ -269,7 +270,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown probe {options.probe!r}")
   if options.pv not in ("auto", "value_wg", "split"):
     raise ValueError(f"unknown pv {options.pv!r}")
-  if options.merge not in ("pairwise", "two_pass", "kernel"):
+  if options.merge not in ("auto", "pairwise", "two_pass", "kernel"):
     raise ValueError(f"unknown merge {options.merge!r}")
   if partial_dtype not in ("float32", "bfloat16"):
     raise ValueError(f"partial_dtype must be 'float32' or 'bfloat16', got {partial_dtype!r}")
@@ -1125,9 +1126,9 @@ def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_h
 
 
 def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, interpret=None):
-  """Log-sum-exp merge of the per-split partials: ``_merge_kernel`` for ``merge="kernel"`` where
-  it fits (``interpret`` as in the attention call), else in XLA: the split weights, then a
-  weighted sum (described below).
+  """Log-sum-exp merge of the per-split partials: ``_merge_kernel`` where ``merge`` asks for it
+  (``_merge_kernel_applies``) and it fits (``interpret`` as in the attention call), else in XLA:
+  the split weights, then a weighted sum (described below).
 
   Args:
     o_part: [BG, splits, n_rt, rows_stored, Dv] normalised partial outputs.
@@ -1153,7 +1154,8 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
     # nothing, which the kernel stores as zeros), so the weighted sum is the partial itself. No
     # merge kernels; a slice and a cast at most (bit-identical to the general path, tested).
     return o_part[:, 0].reshape(bg_count, n_rt * rs, dv)[:, :rows].astype(jnp.float32)
-  if pl_.options.merge == "kernel" and _merge_kernel_fits(o_part.shape, lse_part.shape):
+  if _merge_kernel_applies(pl_.options.merge, o_part, bg_count * rows) and _merge_kernel_fits(
+      o_part.shape, lse_part.shape):
     return _merge_kernel(o_part, lse_part, rows, interpret=interpret)
   lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
   if pl_.options.merge == "two_pass":
@@ -1171,6 +1173,20 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
 
 
 MERGE_SMEM_LIMIT = 200 * 1024  # bytes of one merge CTA's partials and log-sum-exps
+# Merged rows (one merge-kernel CTA each) where merge="auto" takes the kernel: the cells it was
+# timed faster in (H200, h8 b1 32k, q_len 9/17/33: 72/136/264 rows) with some margin. Untimed
+# elsewhere: at batch 32 or 64 heads it launches thousands of small CTAs, at q_len 1 a few CTAs
+# each holding up to 128 KB of partials; the XLA merge runs there until they are timed.
+MERGE_KERNEL_ROWS = (64, 512)
+
+
+def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
+  """Whether ``merge`` asks for the merge kernel here ("auto": fp32 partials, since bf16 ones
+  would be converted to fp32 first by an XLA kernel, and ``MERGE_KERNEL_ROWS``)."""
+  if merge == "kernel":
+    return True
+  lo, hi = MERGE_KERNEL_ROWS
+  return merge == "auto" and o_part.dtype == jnp.float32 and lo <= merged_rows <= hi
 
 
 def _merge_chunk(dv: int) -> int:

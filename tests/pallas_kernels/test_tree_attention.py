@@ -233,6 +233,34 @@ def test_merge_kernel_falls_back_to_xla_where_it_does_not_fit():
                                 np.asarray(merge("pairwise")(o, lse)))
 
 
+def test_merge_auto_takes_the_kernel_only_where_it_was_timed():
+  # merge="auto" (the default): the merge kernel for float32 partials and MERGE_KERNEL_ROWS merged
+  # rows (bg x rows), the XLA merge otherwise (fewer or more rows, bf16 partials); same results.
+  assert ta.Options().merge == "auto"
+  rng = np.random.default_rng(11)
+  splits, dv, rt = 4, 64, 64
+  lo, hi = ta.MERGE_KERNEL_ROWS
+
+  def kinds(bg, rows, dtype):
+    n_rt = -(-rows // rt)
+    o = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt, dv)), dtype)
+    lse = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt)) * 4, jnp.float32)
+    plans = {m: ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                        num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
+                        options=ta.Options(merge=m)) for m in ("auto", "kernel", "pairwise")}
+    prims = {m: {e.primitive.name for e in jax.make_jaxpr(
+        lambda a, b, m=m: ta._merge(a, b, plans[m], rows))(o, lse).eqns} for m in plans}
+    assert prims["kernel"] != prims["pairwise"]  # the two are told apart
+    return "kernel" if prims["auto"] == prims["kernel"] else (
+        "pairwise" if prims["auto"] == prims["pairwise"] else prims["auto"])
+
+  assert kinds(1, lo, jnp.float32) == "kernel"
+  assert kinds(2, hi // 2, jnp.float32) == "kernel"
+  assert kinds(1, lo - 8, jnp.float32) == "pairwise"
+  assert kinds(3, hi // 2, jnp.float32) == "pairwise"
+  assert kinds(1, lo, jnp.bfloat16) == "pairwise"
+
+
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
 def test_mla_merge_kernel_end_to_end(form):
   # The whole call with the merge kernel, both forms, several splits (some empty).
