@@ -44,3 +44,32 @@ def test_greedy_speculative_equals_target_and_keeps_a_tau_floor(pair):
   ties = check_near_ties(result.tokens, *reference, dtype="float32", context="kimi-demo/ddtree/16")
   print(f"tau {result.mean_accepted_length:.2f}, near ties {ties}")
   assert result.mean_accepted_length > TAU_FLOOR
+
+
+def test_bf16_on_the_cpu_is_lossless_under_the_bf16_rule():
+  """bf16 weights and activations on the CPU (XLA CPU): speculative output equals greedy decoding
+  under DESIGN's bf16 near-tie rule at the policies and budgets the GPU test runs.
+
+  The GPU's bf16 runs leave the rule (README's open problem, also with the XLA target alone);
+  here (8 prompts x 48 tokens) every stream equals greedy exactly on the CPU. So this test keeps
+  the bf16 code path itself honest (dtype handling of the engine, drafter and cache), and it points
+  the GPU divergences at the GPU's kernels, whose rounding can depend on the batch shape, rather
+  than at the model or the engine.
+  """
+  target = loading.load_kimi("kimi-demo", dtype="bfloat16", param_dtype="bfloat16")
+  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16", param_dtype="bfloat16")
+  path = loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json"
+  prompts = [p["tokens"] for p in json.loads(path.read_text())["prompts"][:NUM_PROMPTS]]
+  max_len = 128 + MAX_NEW + 65
+  reference = greedy_reference(target, prompts, MAX_NEW, max_len)
+  taus = {}
+  for policy, budget in (("chain", 8), ("ddtree", 16), ("chain", 32), ("ddtree", 64)):
+    dec = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target),
+                                    policy=policy, budgets=(budget,), batch_buckets=(NUM_PROMPTS,), max_len=max_len,
+                                    show_progress=False)
+    result = dec.generate(prompts, MAX_NEW, stop_token_ids=[])
+    ties = check_near_ties(result.tokens, *reference, dtype="bfloat16", context=f"cpu/{policy}/{budget}/bfloat16")
+    taus[policy] = max(taus.get(policy, 0.0), result.mean_accepted_length)
+    print(f"bf16 {policy}/{budget}: tau {result.mean_accepted_length:.2f}, near ties {ties}")
+  # The same floors as the GPU test: a broken drafter sits near 1.
+  assert taus["chain"] > 2.0 and taus["ddtree"] > 2.5 and taus["ddtree"] > taus["chain"]
