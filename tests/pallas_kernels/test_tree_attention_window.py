@@ -7,6 +7,7 @@ other shapes must raise a ``ValueError`` naming the mismatch, and the model must
 forward and give the same logits as with per-call metadata.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -195,12 +196,17 @@ def run_verify(model, inputs):
   return np.asarray(logits), np.asarray(cache.c_kv)
 
 
-def test_model_builds_the_meta_once_and_matches_per_layer_meta(pallas_model, monkeypatch):
-  # The kernel under the interpreter (the model refuses "pallas" off the GPU otherwise).
-  monkeypatch.setattr(kimi, "_attention_impl",
-                      lambda cfg: functools.partial(ta.mla_tree_attention, interpret=INTERPRET))
-  calls = {"window_meta": 0, "prepare": 0}
+def test_model_builds_the_meta_once_and_passes_it_to_every_layer(pallas_model, monkeypatch):
+  # The model's plumbing, with a stand-in for the kernel: it checks that every layer receives the
+  # step's metadata and that it equals what the call would build itself (layout at trace time,
+  # values in the graph: a mismatch turns the layer's output to NaN), then attends with the
+  # plain-jnp reference. (The kernel is not interpreted here: the multi-warpgroup interpreter run
+  # inside the model's jitted layer scan deadlocked on the 2-core CPU, once in a CI run and once
+  # in four ad hoc runs. That a precomputed meta gives the kernel's one-call result bit for bit is
+  # tested above, at top level.)
   real_meta, real_prepare = ta._window_meta, ta.prepare_mla_window
+  calls = {"window_meta": 0, "prepare": 0}
+  received = []
 
   def counting_meta(*a, **k):
     calls["window_meta"] += 1
@@ -210,28 +216,59 @@ def test_model_builds_the_meta_once_and_matches_per_layer_meta(pallas_model, mon
     calls["prepare"] += 1
     return real_prepare(*a, **k)
 
+  def checking_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, *, scale,
+                         window_meta=None):
+    out = reference.mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid,
+                                       scale=scale)
+    received.append(window_meta is not None)
+    if window_meta is None:
+      return out
+    with monkeypatch.context() as m:  # the call's own metadata, not counted
+      m.setattr(ta, "_window_meta", real_meta)
+      own = real_prepare(slots, prefix_len, visibility, valid, heads=q_latent.shape[2],
+                         latent_dim=q_latent.shape[3], rope_dim=q_rope.shape[3], cache_len=c_kv.shape[1])
+    assert window_meta.layout == own.layout
+    return jnp.where(jnp.all(window_meta.meta == own.meta), out, jnp.nan)
+
+  monkeypatch.setattr(kimi, "_attention_impl", lambda cfg: checking_attention)
   monkeypatch.setattr(ta, "_window_meta", counting_meta)
   monkeypatch.setattr(ta, "prepare_mla_window", counting_prepare)
   inputs = verify_inputs(np.random.default_rng(0))
   hoisted, hoisted_cache = run_verify(pallas_model, inputs)
-  check_no_races()
-  # Once per forward: not once per traced layer body (a dense and a MoE stack here).
+  # Once per forward: not once per traced layer body (a dense and a MoE stack here), and every
+  # traced layer body received it.
   assert calls == {"window_meta": 1, "prepare": 1}
-  calls.update(window_meta=0, prepare=0)
-  with monkeypatch.context() as m:  # the one-call path: every layer builds its own
-    m.setattr(kimi, "_attention_window", lambda *a, **k: None)
-    per_layer, per_layer_cache = run_verify(pallas_model, inputs)
-  assert calls == {"window_meta": 2, "prepare": 0}
-  np.testing.assert_array_equal(hoisted, per_layer)
-  np.testing.assert_array_equal(hoisted_cache, per_layer_cache)
-  # Against the plain-jnp reference (the kernel multiplies in bf16).
+  assert received == [True, True]
+  assert np.isfinite(hoisted).all()
+  # The same forward with the reference alone: the stand-in changed nothing but checked.
   with monkeypatch.context() as m:
     m.setattr(kimi, "_attention_impl", lambda cfg: reference.mla_tree_attention)
     m.setattr(kimi, "_attention_window", lambda *a, **k: None)
-    xla, _ = run_verify(pallas_model, inputs)
-  assert np.isfinite(hoisted).all()
-  valid = np.asarray(inputs[3])
-  np.testing.assert_allclose(hoisted[valid], xla[valid], atol=3e-2, rtol=0)
+    xla, xla_cache = run_verify(pallas_model, inputs)
+  np.testing.assert_array_equal(hoisted, xla)
+  np.testing.assert_array_equal(hoisted_cache, xla_cache)
+
+
+def test_model_meta_check_can_fail(pallas_model, monkeypatch):
+  # The stand-in's check above is live: a model that passed another window's metadata (prefix
+  # lengths off by one) gives NaN logits through it.
+  real_attention_window = kimi._attention_window
+
+  def wrong_window(cfg, window, *a, **k):
+    return real_attention_window(cfg, dataclasses.replace(window, prefix_len=window.prefix_len + 1), *a, **k)
+
+  def checking_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, *, scale,
+                         window_meta=None):
+    out = reference.mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid,
+                                       scale=scale)
+    own = ta.prepare_mla_window(slots, prefix_len, visibility, valid, heads=q_latent.shape[2],
+                                latent_dim=q_latent.shape[3], rope_dim=q_rope.shape[3], cache_len=c_kv.shape[1])
+    return jnp.where(jnp.all(window_meta.meta == own.meta), out, jnp.nan)
+
+  monkeypatch.setattr(kimi, "_attention_impl", lambda cfg: checking_attention)
+  monkeypatch.setattr(kimi, "_attention_window", wrong_window)
+  logits, _ = run_verify(pallas_model, verify_inputs(np.random.default_rng(0)))
+  assert np.isnan(logits).all()
 
 
 def test_model_xla_path_takes_no_meta_and_is_unchanged(monkeypatch):
