@@ -153,16 +153,13 @@ class MLAttention(nnx.Module):
     # garbage in a padded row (whatever produced it) must never reach a real row's sum.
     c_kv = jnp.where(window.valid[..., None], c_kv, 0)
     k_pe = jnp.where(window.valid[..., None], k_pe, 0)
+    slots, prefix_len = _attended_slots(window, has_pool=c_kv_pool is not None)
     if c_kv_pool is None:
-      # No cache (training): the window attends to its own latents, as a pool of one slot per row.
       attend_c_kv, attend_k_pe = c_kv, k_pe
-      slots = jnp.arange(b, dtype=jnp.int32)
-      prefix_len = jnp.zeros((b,), jnp.int32)
     else:
       c_kv_pool = cache_lib.write_window(c_kv_pool, window.slots, window.prefix_len, c_kv)
       k_pe_pool = cache_lib.write_window(k_pe_pool, window.slots, window.prefix_len, k_pe)
       attend_c_kv, attend_k_pe = c_kv_pool, k_pe_pool
-      slots, prefix_len = window.slots, window.prefix_len
 
     w_kv_b = self.kv_b_proj.kernel[...].reshape(r, n, d_nope + cfg.v_head_dim)
     w_uk, w_uv = w_kv_b[..., :d_nope], w_kv_b[..., d_nope:]
@@ -193,8 +190,7 @@ def _attention_impl(cfg: KimiConfig):
   return reference.mla_tree_attention
 
 
-def _attention_window(cfg: KimiConfig, window: Window, pool_len: int | None, batch: int,
-                      q_len: int):
+def _attention_window(cfg: KimiConfig, window: Window, pool_len: int | None, q_len: int):
   """The tree-attention kernel's window metadata for one forward, or None.
 
   It depends on the window and static shapes, not on the layer, so ``KimiModel.__call__`` builds
@@ -204,21 +200,27 @@ def _attention_window(cfg: KimiConfig, window: Window, pool_len: int | None, bat
 
   Args:
     pool_len: T of the cache pool, or None without a cache (the window then attends to its own
-      latents as a pool of one slot per row: slots 0..B-1, empty prefixes; see ``MLAttention``).
+      latents, ``_attended_slots``).
   """
   if cfg.attention_impl != "pallas":
     return None
   from pallas_kernels import tree_attention
 
-  if pool_len is None:
-    slots = jnp.arange(batch, dtype=jnp.int32)
-    prefix_len = jnp.zeros((batch,), jnp.int32)
-    pool_len = q_len
-  else:
-    slots, prefix_len = window.slots, window.prefix_len
+  slots, prefix_len = _attended_slots(window, has_pool=pool_len is not None)
   return tree_attention.prepare_mla_window(
       slots, prefix_len, window.visibility, window.valid, heads=cfg.num_attention_heads,
-      latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, cache_len=pool_len)
+      latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
+      cache_len=q_len if pool_len is None else pool_len)
+
+
+def _attended_slots(window: Window, has_pool: bool):
+  """(slots, prefix_len) int32[B] the attention reads: the window's own, or without a cache
+  (training) a pool of one slot per row holding only the window's latents (slots 0..B-1, empty
+  prefixes). One place, since the kernel's per-step metadata must match what each layer attends."""
+  if has_pool:
+    return window.slots, window.prefix_len
+  batch = window.valid.shape[0]
+  return jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32)
 
 
 class MLP(nnx.Module):
@@ -458,8 +460,7 @@ class KimiModel(nnx.Module):
     features = jnp.zeros((num_features + 1, b, q, h), x.dtype)
     carry = (x, None, None, features) if cache is None else (x, cache.c_kv, cache.k_pe, features)
     # The attention kernel's window metadata, once per forward rather than once per layer.
-    attention_meta = _attention_window(cfg, window, None if cache is None else cache.c_kv.shape[2],
-                                       b, q)
+    attention_meta = _attention_window(cfg, window, None if cache is None else cache.c_kv.shape[2], q)
     loads = []
     for stack, first in ((self.dense_layers, 0), (self.moe_layers, cfg.num_dense_layers)):
       if stack is None:

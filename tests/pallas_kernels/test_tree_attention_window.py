@@ -275,7 +275,7 @@ def test_model_xla_path_takes_no_meta_and_is_unchanged(monkeypatch):
   # attention_impl="xla": no metadata is built, and the reference is called exactly as before
   # (no window_meta argument).
   cfg = KimiConfig.tiny()
-  assert kimi._attention_window(cfg, None, 64, 2, 9) is None
+  assert kimi._attention_window(cfg, None, 64, 9) is None
   seen = []
   real = reference.mla_tree_attention
 
