@@ -279,6 +279,10 @@ def variant_list():
   # The merge as one Mosaic GPU kernel against the XLA merge (2 fusions), same run, 32k cells.
   for cell in [goal, (8, 1, 32768, 9), (8, 1, 32768, 33)]:
     out.append((cell, "merge kernel (Mosaic GPU, 1 kernel)", dict(options=O(merge="kernel"))))
+    # Columns per merge CTA: whole rows (one 88 KB box each at 43 splits) was the first design.
+    for columns in (256, 512):
+      out.append((cell, f"merge kernel {columns} columns a CTA",
+                  dict(options=O(merge="kernel", merge_columns=columns))))
     out.append((cell, "merge pairwise (XLA, 2 kernels)", dict(options=O(merge="pairwise"))))
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
     out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))

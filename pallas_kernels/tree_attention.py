@@ -57,12 +57,13 @@ Layout of the work (why it is shaped this way):
     request. Each split writes a normalised partial output, as ``O`` ([rows, Dv], through a
     transposed view and the transposed WGMMA register layout), and its base-2 log-sum-exp. One
     Mosaic GPU kernel merges them where it was timed faster (``_merge_kernel``: one CTA per real
-    output row reads that row of every split with one TMA box and writes the final float32 row;
-    ``Options.merge="auto"`` takes it for fp32 partials and 64..512 merged rows in all, else the
-    XLA merge, "pairwise": split weights, then one weighted-sum reduction, two kernels; "kernel"
-    forces it wherever one row of every split fits a CTA's shared memory). H200, b1/32k/q17, same
-    run, per layer: 36.3 us with the merge kernel (4.1-4.2 us of it) against 38.1 with the XLA
-    merge (2.27 + 3.58 us); it moves the 12 MB of fp32 partials of the real rows at ~2.9 TB/s.
+    output row and block of 256 columns reads that block of every split with one TMA box and
+    writes the final float32 block; ``Options.merge="auto"`` takes it for fp32 partials and
+    64..512 merged rows in all, else the XLA merge, "pairwise": split weights, then one
+    weighted-sum reduction, two kernels; "kernel" forces it wherever one block of every split
+    fits a CTA's shared memory). H200, b1/32k/q17, same run, per layer: 35.5-35.6 us with the
+    merge kernel (3.49 us of it; 4.06 with one CTA per whole row, the first design) against 37.9
+    with the XLA merge (2.24 + 3.55 us); it moves the 12 MB of fp32 partials of the real rows.
     A plan with one split has nothing to merge: the partial is the output (no merge kernel).
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
@@ -176,9 +177,9 @@ class Options:
     at most 512 in all); 0: 232 each (form "rows_n" only).
   merge: "auto" (default: "kernel" for float32 partials and ``MERGE_KERNEL_ROWS`` merged rows,
     where it was timed faster, else "pairwise"), "kernel" (one Mosaic GPU kernel,
-    ``_merge_kernel``, reads each real row's partials and log-sum-exps and writes the final
-    float32 rows; where one row of every split does not fit its shared memory,
-    ``_merge_kernel_fits``, the "pairwise" XLA merge runs instead),
+    ``_merge_kernel``, reads each real row's partials, by blocks of ``merge_columns``, and
+    log-sum-exps and writes the final float32 rows; where a block of every split does not fit
+    its shared memory, ``_merge_kernel_fits``, the "pairwise" XLA merge runs instead),
     "pairwise" (XLA: each split's weight 1 / sum_t 2^(lse_t - lse_s) in one fusion, and one
     weighted sum: two kernels) or "two_pass" (XLA: max, then exponentials and sums: three).
   form: which kernel. "rows_n": the query rows on the wgmma N side (S^T = K Q^T, O^T = V^T P^T;
@@ -187,6 +188,7 @@ class Options:
     two warpgroups owning half of Dv; ``_kernel_rows_m``); "auto": "rows_m" where it applies (Dv
     a multiple of 128, at most 512) and a group has at least ``rows_m_min`` rows, else "rows_n".
   rows_m_min: rows per group (q_len x heads per group) from which "auto" takes "rows_m".
+  merge_columns: output columns per merge-kernel CTA (0: ``MERGE_COLUMNS``; see ``_merge_kernel``).
   probe: timing probes that give wrong results: "noload" (after the first stages the memory
     warpgroup only signals the stages, no copies: compute alone), "nocompute" (the compute
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
@@ -200,6 +202,7 @@ class Options:
   regs: tuple = (0, 0)
   form: str = "auto"
   rows_m_min: int = 80
+  merge_columns: int = 0
   probe: str = ""
 
 
@@ -1154,9 +1157,10 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
     # nothing, which the kernel stores as zeros), so the weighted sum is the partial itself. No
     # merge kernels; a slice and a cast at most (bit-identical to the general path, tested).
     return o_part[:, 0].reshape(bg_count, n_rt * rs, dv)[:, :rows].astype(jnp.float32)
+  columns = pl_.options.merge_columns
   if _merge_kernel_applies(pl_.options.merge, o_part, bg_count * rows) and _merge_kernel_fits(
-      o_part.shape, lse_part.shape):
-    return _merge_kernel(o_part, lse_part, rows, interpret=interpret)
+      o_part.shape, lse_part.shape, columns):
+    return _merge_kernel(o_part, lse_part, rows, columns=columns, interpret=interpret)
   lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
   if pl_.options.merge == "two_pass":
     top = jnp.max(lse, axis=1, keepdims=True)
@@ -1189,62 +1193,87 @@ def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
   return merge == "auto" and o_part.dtype == jnp.float32 and lo <= merged_rows <= hi
 
 
-def _merge_chunk(dv: int) -> int:
-  """Columns per TMA box row of the merge kernel's loads (a box dimension is at most 256)."""
-  return next(w for w in (256, 128, 64, 32, 16, 8, 4) if dv % w == 0)
+MERGE_COLUMNS = 256  # output columns per merge-kernel CTA (``Options.merge_columns`` = 0)
 
 
-def _merge_kernel_fits(o_shape, lse_shape) -> bool:
-  """Whether ``_merge_kernel`` takes these partials: one CTA holds one row of every split (the
-  splits a TMA box dimension: at most 256) in shared memory; else the XLA merge runs."""
+def _merge_chunk(dv: int, columns: int) -> int:
+  """Columns per TMA box row of the merge kernel's loads: the widest that divides both Dv and
+  the CTA's columns (a box dimension is at most 256 elements)."""
+  return next(w for w in (256, 128, 64, 32, 16, 8, 4) if dv % w == 0 and columns % w == 0)
+
+
+def _merge_columns(dv: int, columns: int) -> int:
+  """Output columns per merge CTA: all of Dv where ``columns`` (0: ``MERGE_COLUMNS``) reaches it,
+  else the largest power of two up to ``columns`` that divides Dv (Dv where none does)."""
+  want = columns or MERGE_COLUMNS
+  if want >= dv:
+    return dv
+  return next((c for c in (512, 256, 128, 64, 32, 16, 8, 4) if c <= want and dv % c == 0), dv)
+
+
+def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0) -> bool:
+  """Whether ``_merge_kernel`` takes these partials: one CTA holds one row's ``columns`` of every
+  split (the splits a TMA box dimension: at most 256) in shared memory and reads its row's
+  log-sum-exp in a box of four (Rt a multiple of 4, as every plan's row tile is); else the XLA
+  merge runs."""
   _, splits, _, _, dv = o_shape
   rt = lse_shape[-1]
-  return (splits <= 256 and dv % 4 == 0 and rt <= 256
-          and splits * (dv + rt) * 4 <= MERGE_SMEM_LIMIT)
+  return (splits <= 256 and dv % 4 == 0 and rt <= 256 and rt % 4 == 0
+          and splits * (_merge_columns(dv, columns) + 4) * 4 <= MERGE_SMEM_LIMIT)
 
 
-def _merge_kernel(o_part, lse_part, rows: int, *, interpret=None):
+def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None):
   """The log-sum-exp merge as one Mosaic GPU kernel (``Options.merge="kernel"``).
 
-  One CTA per output row (request-group ``bg``, row ``g`` of tile ``g // Rt``): one TMA box brings
-  that row's partial from every split ([splits, Dv] fp32) and one the tile's log-sum-exps
-  ([splits, Rt]); the weights are scalars (2^(lse_s - max_t lse_t), 0 for an empty split) and
-  the row is their weighted sum over their sum, stored straight into the final [BG, rows, Dv]
-  float32 layout. Only the real rows are read (the XLA merge reads them too, but in two
-  kernels: the split weights, then the weighted sum). Requires ``_merge_kernel_fits``.
+  One CTA per output row (request-group ``bg``, row ``g`` of tile ``g // Rt``) and block of
+  ``columns`` output columns (``_merge_columns``): one TMA box brings that row's columns from
+  every split ([splits, columns] fp32) and one the four log-sum-exps around the row ([splits, 4]:
+  a TMA box needs 16 bytes a row); the weights are scalars (2^(lse_s - max_t lse_t), 0 for an
+  empty split) and the row is their weighted sum over their sum, stored straight into the final
+  [BG, rows, Dv] float32 layout. Only the real rows are read (the XLA merge reads them too, but
+  in two kernels: the split weights, then the weighted sum). Column blocks, not whole rows, per
+  CTA: at Kimi's goal cell (43 splits, 136 rows, Dv 512) whole rows (136 CTAs, one 88 KB box
+  each) took 4.06 us, blocks of 256 columns (272 CTAs) 3.49-3.62 and of 128 3.65 (H200, same runs,
+  ``bench_tree_attention_mergecols.md``): more loads in flight for the same 12 MB.
+  Requires ``_merge_kernel_fits``.
 
   Args/returns as ``_merge`` (o_part [BG, splits, n_rt, rs, Dv], lse_part [BG, splits, n_rt,
   Rt]; float32 [BG, rows, Dv]).
   """
   bg_count, splits, n_rt, rs, dv = o_part.shape
   rt = lse_part.shape[-1]
-  width = _merge_chunk(dv)
-  chunks = dv // width
+  cols = _merge_columns(dv, columns)
+  width = _merge_chunk(dv, cols)
+  per_cta, chunks = cols // width, dv // width
   o_view = o_part.astype(jnp.float32).reshape(bg_count, splits, n_rt, rs, chunks, width)
 
   def body(o_ref, lse_ref, out_ref, o_smem, lse_smem, loaded):
     bg = lax.axis_index("bg")
     row = lax.axis_index("row")
+    block = lax.axis_index("col")
     tile, r = lax.div(row, rt), lax.rem(row, rt)
-    plgpu.copy_gmem_to_smem(lse_ref.at[bg, :, tile], lse_smem, loaded)
-    plgpu.copy_gmem_to_smem(o_ref.at[bg, :, tile, r], o_smem, loaded)
+    quad = pl.multiple_of(lax.mul(lax.div(r, 4), 4), 4)
+    plgpu.copy_gmem_to_smem(lse_ref.at[bg, :, tile, pl.ds(quad, 4)], lse_smem, loaded)
+    plgpu.copy_gmem_to_smem(o_ref.at[bg, :, tile, r, pl.ds(block * per_cta, per_cta)], o_smem, loaded)
     plgpu.barrier_wait(loaded)
     # Unrolled over the splits (a static count, at most 256): the shared-memory loads of all
     # splits can be in flight together instead of one loop iteration's latency each.
-    lse = [lse_smem[s, r] for s in range(splits)]
+    lane = r - quad
+    lse = [lse_smem[s, lane] for s in range(splits)]
     top = functools.reduce(jnp.maximum, lse)
     top = jnp.where(top == -jnp.inf, jnp.float32(0.0), top)  # no split saw the row: weights 0
     weights = [jnp.exp2(x - top) for x in lse]  # 0 for an empty split (lse -inf)
     acc = functools.reduce(lambda a, b: a + b, [w * o_smem[s] for s, w in enumerate(weights)])
     total = functools.reduce(lambda a, b: a + b, weights)
-    out_ref.at[bg, row][...] = acc * (1.0 / jnp.where(total == 0.0, jnp.float32(1.0), total))
+    out_ref.at[bg, row, pl.ds(block * per_cta, per_cta)][...] = acc * (
+        1.0 / jnp.where(total == 0.0, jnp.float32(1.0), total))
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((bg_count, rows, chunks, width), jnp.float32),
-      scratch_types=[plgpu.SMEM((splits, chunks, width), jnp.float32),
-                     plgpu.SMEM((splits, rt), jnp.float32),
+      scratch_types=[plgpu.SMEM((splits, per_cta, width), jnp.float32),
+                     plgpu.SMEM((splits, 4), jnp.float32),
                      plgpu.Barrier(num_arrivals=2)],
-      grid=(bg_count, rows), grid_names=("bg", "row"), interpret=interpret)
+      grid=(bg_count, rows, dv // cols), grid_names=("bg", "row", "col"), interpret=interpret)
   return kernel(o_view, lse_part).reshape(bg_count, rows, dv)
 
 

@@ -163,10 +163,15 @@ def test_merges_agree_with_empty_and_far_apart_splits():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
 
 
-def test_merge_kernel_row_mapping_and_wide_rows():
-  # The merge kernel (one CTA per output row) on two row tiles of 16 rows, 320 columns (5 TMA
-  # column chunks of 64) and a row count that ends inside the second tile; every row's weights
-  # differ, so a row read from the wrong tile, row or split fails. No XLA reductions remain.
+@pytest.mark.parametrize("columns", [0, 128, 320])
+def test_merge_kernel_row_mapping_and_wide_rows(columns):
+  # The merge kernel (one CTA per output row and column block) on two row tiles of 16 rows, 320
+  # columns (TMA column chunks of 64: 5 CTAs of 64 columns a row by default and at columns 128,
+  # which do not divide 320; 1 of 320 at columns 320), a row count that ends inside the second
+  # tile, and rows at every place inside their box of 4 log-sum-exps; every row's weights differ,
+  # so a row or column block read from the wrong tile, row or split fails. No XLA reductions remain.
+  assert [ta._merge_columns(320, c) for c in (0, 128, 320, 1024)] == [64, 64, 320, 320]
+  assert [ta._merge_columns(512, c) for c in (0, 128)] == [ta.MERGE_COLUMNS, 128]
   rng = np.random.default_rng(6)
   bg, n_rt, splits, dv, rt = 2, 2, 5, 320, 16
   o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
@@ -178,15 +183,16 @@ def test_merge_kernel_row_mapping_and_wide_rows():
   want = ((weight[..., None] * o).sum(1) / weight.sum(1)[..., None]).reshape(bg, n_rt * rt, dv)
   pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
                 num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
-                options=ta.Options(merge="kernel"))
+                options=ta.Options(merge="kernel", merge_columns=columns))
   got = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows, interpret=INTERPRET))
   check_no_races()
   np.testing.assert_allclose(got, want[:, :rows], rtol=1e-5, atol=1e-5)
   jaxpr = jax.make_jaxpr(lambda a, b: ta._merge(a, b, pl_, rows))(jnp.asarray(o), jnp.asarray(lse))
   assert not {e.primitive.name for e in jaxpr.eqns} & {"reduce_sum", "exp2", "reduce_max"}
   # Too many splits for one CTA's shared memory: the XLA merge instead (same result).
-  assert not ta._merge_kernel_fits((1, 200, 3, 64, 512), (1, 200, 3, 64))
-  assert ta._merge_kernel_fits((1, 43, 3, 64, 512), (1, 43, 3, 64))
+  assert not ta._merge_kernel_fits((1, 200, 3, 64, 512), (1, 200, 3, 64), 512)
+  assert ta._merge_kernel_fits((1, 200, 3, 64, 512), (1, 200, 3, 64), 128)
+  assert ta._merge_kernel_fits((1, 43, 3, 64, 512), (1, 43, 3, 64), 512)
 
 
 def test_merge_kernel_row_no_split_saw_is_zero():
@@ -213,18 +219,19 @@ def test_merge_kernel_row_no_split_saw_is_zero():
 
 
 def test_merge_kernel_falls_back_to_xla_where_it_does_not_fit():
-  # Where one row of every split exceeds the merge kernel's shared memory (or a TMA box's 256
-  # splits), merge="kernel" must run the XLA merge: no kernel in the jaxpr, the pairwise result.
+  # Where one row block of every split exceeds the merge kernel's shared memory (or a TMA box's
+  # 256 splits), merge="kernel" must run the XLA merge: no kernel in the jaxpr, the pairwise result.
   rng = np.random.default_rng(9)
-  bg, n_rt, splits, dv, rt, rows = 1, 1, 100, 512, 64, 8  # 100 x (512 + 64) x 4 B > 200 KB
+  bg, n_rt, splits, dv, rt, rows = 1, 1, 100, 512, 64, 8  # 100 x (512 + 4) x 4 B > 200 KB
   o = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt, dv)), jnp.float32)
   lse = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt)) * 4, jnp.float32)
-  assert not ta._merge_kernel_fits(o.shape, lse.shape)
+  assert not ta._merge_kernel_fits(o.shape, lse.shape, 512)
   assert not ta._merge_kernel_fits((1, 300, 1, 8, 8), (1, 300, 1, 8))  # box dimension > 256
   assert ta._merge_kernel_fits((1, 256, 1, 8, 8), (1, 256, 1, 8))
+  assert not ta._merge_kernel_fits((1, 4, 1, 6, 8), (1, 4, 1, 6))  # log-sum-exps not in boxes of 4
   plans = {m: ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
                       num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
-                      options=ta.Options(merge=m)) for m in ("kernel", "pairwise")}
+                      options=ta.Options(merge=m, merge_columns=512)) for m in ("kernel", "pairwise")}
   merge = lambda m: (lambda a, b: ta._merge(a, b, plans[m], rows, interpret=INTERPRET))
   prims = {m: {e.primitive.name for e in jax.make_jaxpr(merge(m))(o, lse).eqns}
            for m in plans}
