@@ -85,7 +85,13 @@ Layout of the work (why it is shaped this way):
     S of tile i + 1 before the softmax of tile i) needs tile i + 1 resident while tile i is in
     use and its load started earlier, i.e. a third KV stage, which does not fit; the FlashMLA
     remedy (both warpgroups compute S for alternate tiles and exchange the row maxima) was not
-    tried. The third row tile of q_len 17 (136 rows) holds 8 real rows of 64.
+    tried. The third row tile of q_len 17 (136 rows) holds 8 real rows of 64. A later run (same
+    cell, ``bench_tree_attention_probes.md``): kernel 32.3 us, 31.6 without loads, 27.0 without
+    P V, 18.7 without compute, and **20.4 without the partial-output stores** (probe "nostore";
+    the outputs are then unused, so the compiler may also have dropped the P V products and
+    rescales: the stores cost 5-12 us). Every thread stores its fp32 WGMMA fragments straight
+    to global memory (bf16 partials stored that way were slower still); ``Options.epilogue=
+    "smem"`` stages bf16 partials in the query tile for one TMA store (tested, not yet timed).
   * What limits "rows_n" (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): compute,
     not the KV stream. The kernel takes 34.8 us, 33.4 with the loads left out, 17.3 with the compute
     left out and 27.6 with the softmax left out, i.e. about 2.2 us of wgmma work per 64-column
@@ -189,10 +195,17 @@ class Options:
     a multiple of 128, at most 512) and a group has at least ``rows_m_min`` rows, else "rows_n".
   rows_m_min: rows per group (q_len x heads per group) from which "auto" takes "rows_m".
   merge_columns: output columns per merge-kernel CTA (0: ``MERGE_COLUMNS``; see ``_merge_kernel``).
+  epilogue: how "rows_m" writes each split's partial output. "registers": every thread stores its
+    WGMMA fragments straight to global memory. "smem" (bf16 partials, query width = Dv): each
+    compute warpgroup writes its half of O into the query tile's first part, idle once warpgroup
+    0 has computed its last S, and stores it with one TMA copy. Not yet timed on the GPU (the
+    "nostore" probe put the register stores at 5-12 us of the 32 us goal-cell kernel); "rows_n"
+    ignores it.
   probe: timing probes that give wrong results: "noload" (after the first stages the memory
     warpgroup only signals the stages, no copies: compute alone), "nocompute" (the compute
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
-    no masks, reductions or exponentials; form "rows_n" only), "nopv" (no V^T P^T products).
+    no masks, reductions or exponentials; form "rows_n" only), "nopv" (no V^T P^T products),
+    "nostore" (the partial outputs are computed but not written; form "rows_m" only).
   """
 
   lazy_sum: bool = True
@@ -203,6 +216,7 @@ class Options:
   form: str = "auto"
   rows_m_min: int = 80
   merge_columns: int = 0
+  epilogue: str = "registers"
   probe: str = ""
 
 
@@ -269,8 +283,10 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     options: kernel variants (``Options``); default ``Options()``.
   """
   options = Options() if options is None else options
-  if options.probe not in ("", "noload", "nocompute", "nosoftmax", "nopv"):
+  if options.probe not in ("", "noload", "nocompute", "nosoftmax", "nopv", "nostore"):
     raise ValueError(f"unknown probe {options.probe!r}")
+  if options.epilogue not in ("registers", "smem"):
+    raise ValueError(f"unknown epilogue {options.epilogue!r}")
   if options.pv not in ("auto", "value_wg", "split"):
     raise ValueError(f"unknown pv {options.pv!r}")
   if options.merge not in ("auto", "pairwise", "two_pass", "kernel"):
@@ -378,6 +394,10 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
                 "thread that ptxas allows 512 threads")
   if options.regs != (0, 0):
     return fail("Options.regs applies to form='rows_n' only (rows_m: 232 and 232)")
+  if options.epilogue == "smem" and (partial_dtype != "bfloat16" or key_dims[0] != value_dim):
+    return fail("epilogue='smem' stages O in the query tile's first part: it needs "
+                f"partial_dtype='bfloat16' (got {partial_dtype!r}) and that part as wide as the "
+                f"values (got {key_dims[0]} and {value_dim})")
   swizzle = _swizzle_for(*key_dims, value_dim, BLOCK_KV)
   if swizzle is None:
     return fail(f"feature widths {key_dims}, {value_dim} are not multiples of 16")
@@ -737,6 +757,9 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   num_stages = plan.num_stages
   opts = plan.options
   dv_half = value_smem.shape[-1] // 2
+  staged = opts.epilogue == "smem"
+  if staged:  # "done", then warpgroup 1's "my half of O is in the query tile"
+    done, staged_half = done.at[0], done.at[1]
 
   bg = lax.axis_index("bg")
   split = lax.axis_index("split")
@@ -757,7 +780,23 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
 
   def store_output(acc, half: int, inv_l):
     out = rescale(acc, inv_l).astype(o_ref.dtype)
-    o_ref.at[bg, split, row_tile, :, pl.ds(half * dv_half, dv_half)][...] = out
+    if opts.probe == "nostore":
+      return
+    columns = pl.ds(half * dv_half, dv_half)
+    if not staged:
+      o_ref.at[bg, split, row_tile, :, columns][...] = out
+      return
+    # Staged in the query tile (same bf16 width as O): only warpgroup 0 reads it, for S, and it
+    # is done with it here (half 0) or before its "done" that warpgroup 1 waited for (half 1).
+    # A TMA store needs a contiguous tile, not one half's columns: warpgroup 0 stores both.
+    q_smem[0].at[:, columns][...] = out
+    plgpu.commit_smem()
+    if half == 1:
+      plgpu.barrier_arrive(staged_half)
+      return
+    plgpu.barrier_wait(staged_half)
+    plgpu.copy_smem_to_gmem(q_smem[0], o_ref.at[bg, split, row_tile])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def zero_acc():
     return plgpu.layout_cast(jnp.zeros((rows, dv_half), jnp.float32), plgpu.Layout.WGMMA)
@@ -953,7 +992,8 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m else 2),  # p_ready
       plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m else 2),  # p_free
       plgpu.Barrier(num_arrivals=len(key_dims) + 1),  # q_barrier
-      plgpu.Barrier(num_arrivals=1),  # done
+      # done (with Options.epilogue="smem" a second: warpgroup 1's half of O staged)
+      plgpu.Barrier(num_arrivals=1, num_barriers=2 if rows_m and pl_.options.epilogue == "smem" else 1),
   ]
   out_type = (
       jax.ShapeDtypeStruct((bg_count, pl_.num_splits, n_rt, pl_.rows_stored, value_dim),

@@ -298,13 +298,39 @@ def test_mla_kimi_widths_bf16_inputs(form):
   assert_matches(got, want, valid)
 
 
-def test_mla_rows_m_window_across_tiles():
+@pytest.mark.parametrize("epilogue,partial_dtype", [("registers", "float32"), ("smem", "bfloat16")])
+def test_mla_rows_m_window_across_tiles(epilogue, partial_dtype):
   # "rows_m" with 33 nodes x 4 heads = 132 rows (3 tiles, the last of 4 rows), two visibility
-  # words, random padding, and caches whose windows straddle 64-column tiles and splits.
+  # words, random padding, and caches whose windows straddle 64-column tiles and splits. The
+  # "smem" epilogue stages O in the query tile: a store before warpgroup 0's last S, or a TMA
+  # store before warpgroup 1's half is written, is a race here (or wrong values).
   rng = np.random.default_rng(31)
   got, want, valid = run_mla(rng, batch=2, q_len=33, heads=4, latent=128, rope=32,
-                             cache_len=221, num_splits=3, options=ta.Options(form="rows_m"))
-  assert_matches(got, want, valid)
+                             cache_len=221, num_splits=3, partial_dtype=partial_dtype,
+                             options=ta.Options(form="rows_m", epilogue=epilogue))
+  assert_matches(got, want, valid, atol=ATOL if partial_dtype == "float32" else ATOL_BF16_PARTIALS)
+
+
+def test_mla_rows_m_staged_epilogue_one_split_many_tiles():
+  # One split over many KV tiles: the staged partial is the output itself (no merge after it),
+  # bit for bit what the register stores of the same bf16 partials give.
+  got = {}
+  for epilogue in ("smem", "registers"):
+    got[epilogue], want, valid = run_mla(
+        np.random.default_rng(32), batch=2, q_len=9, heads=8, latent=128, rope=32, cache_len=700,
+        num_splits=1, partial_dtype="bfloat16", options=ta.Options(form="rows_m", epilogue=epilogue))
+  assert_matches(got["smem"], want, valid, atol=ATOL_BF16_PARTIALS)
+  np.testing.assert_array_equal(got["smem"], got["registers"])
+
+
+def test_staged_epilogue_needs_bf16_partials():
+  kw = dict(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+            shared_value=True, cache_len=4096)
+  assert ta.plan(**kw, partial_dtype="bfloat16", options=ta.Options(epilogue="smem")).form == "rows_m"
+  with pytest.raises(ValueError, match="epilogue='smem'.*bfloat16"):
+    ta.plan(**kw, options=ta.Options(form="rows_m", epilogue="smem"))
+  with pytest.raises(ValueError, match="unknown epilogue"):
+    ta.plan(**kw, options=ta.Options(epilogue="tma"))
 
 
 def test_mla_demo_widths_full_budget():
@@ -317,10 +343,11 @@ def test_mla_demo_widths_full_budget():
 
 @pytest.mark.parametrize("q_len,heads,groups,dim,form", [
     (1, 4, 2, 64, "auto"), (9, 6, 2, 64, "auto"), (17, 4, 4, 64, "auto"), (17, 8, 2, 128, "auto"),
-    (17, 8, 2, 128, "rows_m"), (9, 16, 2, 256, "rows_m")])
+    (17, 8, 2, 128, "rows_m"), (9, 16, 2, 256, "rows_m"), (9, 16, 2, 256, "rows_m smem")])
 def test_mha_matches_reference(q_len, heads, groups, dim, form):
   # Separate V tiles. The default picks "rows_n" for all four auto cases (at most 68 rows per
-  # group); the last two force "rows_m" (Dv 128 and 256: two value halves of 64 and 128).
+  # group); the last three force "rows_m" (Dv 128 and 256: two value halves of 64 and 128), the
+  # last with bf16 partials staged in the query tile (Options.epilogue="smem").
   rng = np.random.default_rng(200 + q_len)
   batch, cache_len = 2, 150
   slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
@@ -328,11 +355,15 @@ def test_mha_matches_reference(q_len, heads, groups, dim, form):
   k = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
   got = ta.mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, scale=0.125,
-                              interpret=INTERPRET, num_splits=2, options=ta.Options(form=form))
+                              interpret=INTERPRET, num_splits=2,
+                              partial_dtype="bfloat16" if "smem" in form else "float32",
+                              options=ta.Options(form=form.split()[0],
+                                                 epilogue="smem" if "smem" in form else "registers"))
   check_no_races()
   want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
                                       valid, scale=0.125)
-  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
+  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid),
+                 atol=ATOL_BF16_PARTIALS if "smem" in form else ATOL)
 
 
 def run_long_split(seed, *, q_len, heads, latent, rope, cache_len, prefix, form, dtype=jnp.float32):

@@ -21,7 +21,7 @@ from models import forward as fwd
 from pallas_kernels import reference
 from pallas_kernels import tree_attention as ta
 
-from tests.pallas_kernels.test_tree_attention import assert_matches, bf16, random_window
+from tests.pallas_kernels.test_tree_attention import ATOL_BF16_PARTIALS, assert_matches, bf16, random_window
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def needs_gpu():
 
 
 def mla_case(seed, *, batch, q_len, heads, latent, rope, cache_len, num_splits=None,
-             dtype=jnp.bfloat16, options=None):
+             dtype=jnp.bfloat16, options=None, partial_dtype="float32"):
   rng = np.random.default_rng(seed)
   slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
   pool = batch + 2
@@ -42,7 +42,7 @@ def mla_case(seed, *, batch, q_len, heads, latent, rope, cache_len, num_splits=N
       (pool, cache_len, rope))]
   scale = 1.5 / np.sqrt(latent + rope)
   got = jax.jit(lambda *a: ta.mla_tree_attention(*a, scale=scale, num_splits=num_splits,
-                                                 options=options))(
+                                                 options=options, partial_dtype=partial_dtype))(
       *args, slots, prefix_len, visibility, valid)
   with jax.default_matmul_precision("highest"):  # the reference in true float32, not TF32
     want = jax.jit(functools.partial(reference.mla_tree_attention, scale=scale))(
@@ -63,6 +63,18 @@ def test_mla_split_counts_and_64_heads(num_splits):
   got, want, valid = mla_case(100 + num_splits, batch=2, q_len=9, heads=64, latent=512, rope=64,
                               cache_len=1500, num_splits=num_splits)
   assert_matches(got, want, valid)
+
+
+@pytest.mark.parametrize("q_len,num_splits", [(17, None), (33, 7), (65, 1)])
+def test_mla_staged_epilogue_at_kimi_widths(q_len, num_splits):
+  # bf16 partials staged in the query tile and stored by TMA (Options.epilogue="smem"), against
+  # the reference and bit for bit against the same bf16 partials stored from registers.
+  kw = dict(batch=2, q_len=q_len, heads=8, latent=512, rope=64, cache_len=4000 + q_len,
+            num_splits=num_splits, partial_dtype="bfloat16")
+  got, want, valid = mla_case(q_len + 300, options=ta.Options(form="rows_m", epilogue="smem"), **kw)
+  assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
+  registers, _, _ = mla_case(q_len + 300, options=ta.Options(form="rows_m"), **kw)
+  np.testing.assert_array_equal(got, registers)
 
 
 @pytest.mark.parametrize("q_len,num_splits", [(17, None), (9, None), (33, 7), (65, 64)])
