@@ -289,6 +289,8 @@ def variant_list():
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65)]:
     out.append((cell, "epilogue smem (bf16 partials, TMA store)",
                 dict(partial_dtype="bfloat16", options=O(epilogue="smem"))))
+    out.append((cell, "epilogue smem + merge kernel (bf16 partials)",
+                dict(partial_dtype="bfloat16", options=O(epilogue="smem", merge="kernel"))))
     out.append((cell, "epilogue registers (bf16 partials)", dict(partial_dtype="bfloat16")))
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
     out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))

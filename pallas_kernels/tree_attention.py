@@ -1199,7 +1199,7 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
     return o_part[:, 0].reshape(bg_count, n_rt * rs, dv)[:, :rows].astype(jnp.float32)
   columns = pl_.options.merge_columns
   if _merge_kernel_applies(pl_.options.merge, o_part, bg_count * rows) and _merge_kernel_fits(
-      o_part.shape, lse_part.shape, columns):
+      o_part.shape, lse_part.shape, columns, o_part.dtype.itemsize):
     return _merge_kernel(o_part, lse_part, rows, columns=columns, interpret=interpret)
   lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
   if pl_.options.merge == "two_pass":
@@ -1225,8 +1225,8 @@ MERGE_KERNEL_ROWS = (64, 512)
 
 
 def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
-  """Whether ``merge`` asks for the merge kernel here ("auto": fp32 partials, since bf16 ones
-  would be converted to fp32 first by an XLA kernel, and ``MERGE_KERNEL_ROWS``)."""
+  """Whether ``merge`` asks for the merge kernel here ("auto": fp32 partials and
+  ``MERGE_KERNEL_ROWS``, where it was timed; bf16 partials, which it reads as they are, untimed)."""
   if merge == "kernel":
     return True
   lo, hi = MERGE_KERNEL_ROWS
@@ -1236,10 +1236,11 @@ def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
 MERGE_COLUMNS = 256  # output columns per merge-kernel CTA (``Options.merge_columns`` = 0)
 
 
-def _merge_chunk(dv: int, columns: int) -> int:
+def _merge_chunk(dv: int, columns: int, itemsize: int = 4) -> int:
   """Columns per TMA box row of the merge kernel's loads: the widest that divides both Dv and
-  the CTA's columns (a box dimension is at most 256 elements)."""
-  return next(w for w in (256, 128, 64, 32, 16, 8, 4) if dv % w == 0 and columns % w == 0)
+  the CTA's columns (a box dimension is at most 256 elements, a box row at least 16 bytes)."""
+  return next(w for w in (256, 128, 64, 32, 16, 8, 4)
+              if dv % w == 0 and columns % w == 0 and w * itemsize >= 16)
 
 
 def _merge_columns(dv: int, columns: int) -> int:
@@ -1251,15 +1252,17 @@ def _merge_columns(dv: int, columns: int) -> int:
   return next((c for c in (512, 256, 128, 64, 32, 16, 8, 4) if c <= want and dv % c == 0), dv)
 
 
-def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0) -> bool:
-  """Whether ``_merge_kernel`` takes these partials: one CTA holds one row's ``columns`` of every
-  split (the splits a TMA box dimension: at most 256) in shared memory and reads its row's
-  log-sum-exp in a box of four (Rt a multiple of 4, as every plan's row tile is); else the XLA
-  merge runs."""
+def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0, itemsize: int = 4) -> bool:
+  """Whether ``_merge_kernel`` takes these partials (``itemsize`` bytes each: fp32 or bf16): one
+  CTA holds one row's ``columns`` of every split (the splits a TMA box dimension: at most 256) in
+  shared memory, 16 bytes a box row at least, and reads its row's log-sum-exp in a box of four
+  (Rt a multiple of 4, as every plan's row tile is); else the XLA merge runs."""
   _, splits, _, _, dv = o_shape
   rt = lse_shape[-1]
-  return (splits <= 256 and dv % 4 == 0 and rt <= 256 and rt % 4 == 0
-          and splits * (_merge_columns(dv, columns) + 4) * 4 <= MERGE_SMEM_LIMIT)
+  cols = _merge_columns(dv, columns)
+  return (splits <= 256 and dv * itemsize % 16 == 0 and cols * itemsize >= 16
+          and rt <= 256 and rt % 4 == 0
+          and splits * (cols * itemsize + 16) <= MERGE_SMEM_LIMIT)
 
 
 def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None):
@@ -1267,7 +1270,8 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
 
   One CTA per output row (request-group ``bg``, row ``g`` of tile ``g // Rt``) and block of
   ``columns`` output columns (``_merge_columns``): one TMA box brings that row's columns from
-  every split ([splits, columns] fp32) and one the four log-sum-exps around the row ([splits, 4]:
+  every split ([splits, columns], fp32 or bf16 as stored; bf16 is widened in registers, with no
+  XLA conversion of the partials) and one the four log-sum-exps around the row ([splits, 4]:
   a TMA box needs 16 bytes a row); the weights are scalars (2^(lse_s - max_t lse_t), 0 for an
   empty split) and the row is their weighted sum over their sum, stored straight into the final
   [BG, rows, Dv] float32 layout. Only the real rows are read (the XLA merge reads them too, but
@@ -1283,9 +1287,9 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
   bg_count, splits, n_rt, rs, dv = o_part.shape
   rt = lse_part.shape[-1]
   cols = _merge_columns(dv, columns)
-  width = _merge_chunk(dv, cols)
+  width = _merge_chunk(dv, cols, o_part.dtype.itemsize)
   per_cta, chunks = cols // width, dv // width
-  o_view = o_part.astype(jnp.float32).reshape(bg_count, splits, n_rt, rs, chunks, width)
+  o_view = o_part.reshape(bg_count, splits, n_rt, rs, chunks, width)
 
   def body(o_ref, lse_ref, out_ref, o_smem, lse_smem, loaded):
     bg = lax.axis_index("bg")
@@ -1303,14 +1307,15 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
     top = functools.reduce(jnp.maximum, lse)
     top = jnp.where(top == -jnp.inf, jnp.float32(0.0), top)  # no split saw the row: weights 0
     weights = [jnp.exp2(x - top) for x in lse]  # 0 for an empty split (lse -inf)
-    acc = functools.reduce(lambda a, b: a + b, [w * o_smem[s] for s, w in enumerate(weights)])
+    acc = functools.reduce(lambda a, b: a + b,
+                           [w * o_smem[s].astype(jnp.float32) for s, w in enumerate(weights)])
     total = functools.reduce(lambda a, b: a + b, weights)
     out_ref.at[bg, row, pl.ds(block * per_cta, per_cta)][...] = acc * (
         1.0 / jnp.where(total == 0.0, jnp.float32(1.0), total))
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((bg_count, rows, chunks, width), jnp.float32),
-      scratch_types=[plgpu.SMEM((splits, per_cta, width), jnp.float32),
+      scratch_types=[plgpu.SMEM((splits, per_cta, width), o_part.dtype),
                      plgpu.SMEM((splits, 4), jnp.float32),
                      plgpu.Barrier(num_arrivals=2)],
       grid=(bg_count, rows, dv // cols), grid_names=("bg", "row", "col"), interpret=interpret)

@@ -195,6 +195,28 @@ def test_merge_kernel_row_mapping_and_wide_rows(columns):
   assert ta._merge_kernel_fits((1, 43, 3, 64, 512), (1, 43, 3, 64), 512)
 
 
+def test_merge_kernel_reads_bf16_partials_as_stored():
+  # bf16 partials: the kernel loads them as they are (no XLA conversion of the partials before
+  # it) and widens them in registers; same result as the XLA merge of the same bf16 values.
+  rng = np.random.default_rng(12)
+  bg, n_rt, splits, dv, rt, rows = 2, 2, 6, 512, 16, 27
+  o = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt, dv)), jnp.bfloat16)
+  lse = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt)) * 6, jnp.float32)
+  plans = {m: ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                      num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
+                      partial_dtype="bfloat16", options=ta.Options(merge=m)) for m in ("kernel", "pairwise")}
+  got = np.asarray(ta._merge(o, lse, plans["kernel"], rows, interpret=INTERPRET))
+  check_no_races()
+  want = np.asarray(ta._merge(o, lse, plans["pairwise"], rows))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  jaxpr = jax.make_jaxpr(lambda a, b: ta._merge(a, b, plans["kernel"], rows))(o, lse)
+  assert "convert_element_type" not in {e.primitive.name for e in jaxpr.eqns}
+  # A bf16 box row needs 8 elements (16 bytes): 4 columns of bf16 do not fit the kernel.
+  assert ta._merge_kernel_fits((1, 4, 1, 8, 8), (1, 4, 1, 8), 0, 2)
+  assert not ta._merge_kernel_fits((1, 4, 1, 8, 4), (1, 4, 1, 8), 0, 2)
+  assert ta._merge_kernel_fits((1, 4, 1, 8, 4), (1, 4, 1, 8), 0, 4)
+
+
 def test_merge_kernel_row_no_split_saw_is_zero():
   # A real row whose every split is empty (lse -inf everywhere, zero partials) merges to zeros,
   # as the XLA merges give, not NaN (2^(-inf - -inf)); the rows beside it are unaffected.

@@ -68,13 +68,18 @@ def test_mla_split_counts_and_64_heads(num_splits):
 @pytest.mark.parametrize("q_len,num_splits", [(17, None), (33, 7), (65, 1)])
 def test_mla_staged_epilogue_at_kimi_widths(q_len, num_splits):
   # bf16 partials staged in the query tile and stored by TMA (Options.epilogue="smem"), against
-  # the reference and bit for bit against the same bf16 partials stored from registers.
+  # the reference and bit for bit against the same bf16 partials stored from registers (both
+  # merged by XLA: "auto" takes the merge kernel for fp32 partials only).
   kw = dict(batch=2, q_len=q_len, heads=8, latent=512, rope=64, cache_len=4000 + q_len,
             num_splits=num_splits, partial_dtype="bfloat16")
   got, want, valid = mla_case(q_len + 300, options=ta.Options(form="rows_m", epilogue="smem"), **kw)
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
   registers, _, _ = mla_case(q_len + 300, options=ta.Options(form="rows_m"), **kw)
   np.testing.assert_array_equal(got, registers)
+  # The merge kernel reading the bf16 partials as stored, against the XLA merge of the same.
+  merged, _, _ = mla_case(q_len + 300, **kw,
+                          options=ta.Options(form="rows_m", epilogue="smem", merge="kernel"))
+  np.testing.assert_allclose(merged, got, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_len,num_splits", [(17, None), (9, None), (33, 7), (65, 64)])
