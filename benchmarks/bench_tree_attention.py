@@ -280,7 +280,7 @@ def variant_list():
   for cell in [goal, (8, 1, 32768, 9), (8, 1, 32768, 33)]:
     out.append((cell, "merge kernel (Mosaic GPU, 1 kernel)", dict(options=O(merge="kernel"))))
     # Columns per merge CTA: whole rows (one 88 KB box each at 43 splits) was the first design.
-    for columns in (256, 512):
+    for columns in (128, 512):
       out.append((cell, f"merge kernel {columns} columns a CTA",
                   dict(options=O(merge="kernel", merge_columns=columns))))
     out.append((cell, "merge pairwise (XLA, 2 kernels)", dict(options=O(merge="pairwise"))))
@@ -288,10 +288,11 @@ def variant_list():
   # stores at 5-12 us of the goal cell's 32 us kernel), beside bf16 partials stored from registers.
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65)]:
     out.append((cell, "epilogue smem (bf16 partials, TMA store)",
-                dict(partial_dtype="bfloat16", options=O(epilogue="smem"))))
+                dict(partial_dtype="bfloat16", options=O(form="rows_m", epilogue="smem"))))
     out.append((cell, "epilogue smem + merge kernel (bf16 partials)",
-                dict(partial_dtype="bfloat16", options=O(epilogue="smem", merge="kernel"))))
-    out.append((cell, "epilogue registers (bf16 partials)", dict(partial_dtype="bfloat16")))
+                dict(partial_dtype="bfloat16", options=O(form="rows_m", epilogue="smem", merge="kernel"))))
+    out.append((cell, "epilogue registers (bf16 partials)",
+                dict(partial_dtype="bfloat16", options=O(form="rows_m"))))
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
     out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))
     out.append((cell, "rows_m", dict(options=O(form="rows_m"))))

@@ -287,6 +287,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown probe {options.probe!r}")
   if options.epilogue not in ("registers", "smem"):
     raise ValueError(f"unknown epilogue {options.epilogue!r}")
+  if options.merge_columns < 0:
+    raise ValueError(f"merge_columns must be 0 (default) or positive, got {options.merge_columns}")
   if options.pv not in ("auto", "value_wg", "split"):
     raise ValueError(f"unknown pv {options.pv!r}")
   if options.merge not in ("auto", "pairwise", "two_pass", "kernel"):
@@ -304,7 +306,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
                           value_dim=value_dim, shared_value=shared_value, cache_len=cache_len,
                           num_splits=num_splits, partial_dtype=partial_dtype,
                           rows_per_tile=rows_per_tile, options=options,
-                          required=options.form == "rows_m")
+                          required=options.form == "rows_m" or options.epilogue == "smem")
     if options.form == "rows_m":
       return rows_m
   # Two value warpgroups when each half of Dv is still a whole number of 64-row wgmma tiles.
@@ -340,6 +342,11 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   # q_len 17, and 64 heads; not the demo model, whose 136-row tiles here would be 7 of 64).
   if rows_m is not None and rows_m.num_row_tiles <= num_row_tiles:
     return rows_m
+  for applies, what in ((options.epilogue == "smem", "epilogue='smem'"),
+                        (options.probe == "nostore", "probe 'nostore'")):
+    if applies:  # never silently ignored: a variant that times the other form misleads
+      raise ValueError(f"tree attention: {what} applies to form 'rows_m', and this call takes "
+                       f"'rows_n' ({rows} rows per group); force form='rows_m' where it applies")
   if num_splits is None:
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
@@ -796,7 +803,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
       return
     plgpu.barrier_wait(staged_half)
     plgpu.copy_smem_to_gmem(q_smem[0], o_ref.at[bg, split, row_tile])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA's shared memory must outlive the read
 
   def zero_acc():
     return plgpu.layout_cast(jnp.zeros((rows, dv_half), jnp.float32), plgpu.Layout.WGMMA)
@@ -1245,11 +1252,15 @@ def _merge_chunk(dv: int, columns: int, itemsize: int = 4) -> int:
 
 def _merge_columns(dv: int, columns: int) -> int:
   """Output columns per merge CTA: all of Dv where ``columns`` (0: ``MERGE_COLUMNS``) reaches it,
-  else the largest power of two up to ``columns`` that divides Dv (Dv where none does)."""
+  else the largest power of two up to ``columns`` that divides Dv; Dv where none does, or where
+  that is under 64 columns and more was asked for."""
   want = columns or MERGE_COLUMNS
   if want >= dv:
     return dv
-  return next((c for c in (512, 256, 128, 64, 32, 16, 8, 4) if c <= want and dv % c == 0), dv)
+  block = next((c for c in (512, 256, 128, 64, 32, 16, 8, 4) if c <= want and dv % c == 0), dv)
+  # Blocks under 64 columns (Dv such as 400: 16) would be many CTAs of tiny boxes, untimed:
+  # whole rows there, as the kernel's first design.
+  return block if block >= min(64, want) else dv
 
 
 def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0, itemsize: int = 4) -> bool:
@@ -1277,8 +1288,10 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
   [BG, rows, Dv] float32 layout. Only the real rows are read (the XLA merge reads them too, but
   in two kernels: the split weights, then the weighted sum). Column blocks, not whole rows, per
   CTA: at Kimi's goal cell (43 splits, 136 rows, Dv 512) whole rows (136 CTAs, one 88 KB box
-  each) took 4.06 us, blocks of 256 columns (272 CTAs) 3.49-3.62 and of 128 3.65 (H200, same runs,
-  ``bench_tree_attention_mergecols.md``): more loads in flight for the same 12 MB.
+  each) took 4.03-4.06 us, blocks of 256 columns (272 CTAs) 3.49-3.62 (``bench_tree_attention_
+  mergecols.md``, H200, the default and a variant of the same configuration in one run) and of
+  128 columns 3.65-3.68 (an earlier run that day, not kept): more loads in flight for the same
+  12 MB. 256 over 128 is within that spread; whole rows are clearly slower.
   Requires ``_merge_kernel_fits``.
 
   Args/returns as ``_merge`` (o_part [BG, splits, n_rt, rs, Dv], lse_part [BG, splits, n_rt,

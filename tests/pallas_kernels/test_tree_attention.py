@@ -163,17 +163,20 @@ def test_merges_agree_with_empty_and_far_apart_splits():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
 
 
-@pytest.mark.parametrize("columns", [0, 128, 320])
-def test_merge_kernel_row_mapping_and_wide_rows(columns):
-  # The merge kernel (one CTA per output row and column block) on two row tiles of 16 rows, 320
-  # columns (TMA column chunks of 64: 5 CTAs of 64 columns a row by default and at columns 128,
-  # which do not divide 320; 1 of 320 at columns 320), a row count that ends inside the second
-  # tile, and rows at every place inside their box of 4 log-sum-exps; every row's weights differ,
-  # so a row or column block read from the wrong tile, row or split fails. No XLA reductions remain.
+@pytest.mark.parametrize("dv,columns", [(320, 0), (320, 320), (1024, 0), (1024, 512)])
+def test_merge_kernel_row_mapping_and_wide_rows(dv, columns):
+  # The merge kernel (one CTA per output row and column block) on two row tiles of 16 rows, a row
+  # count that ends inside the second tile, and rows at every place inside their box of 4
+  # log-sum-exps. Dv 320: 5 blocks of 64 columns by default, one whole row at columns 320; Dv
+  # 1024: 4 blocks of 256 by default, 2 blocks of 2 chunks of 256 at columns 512. Every row's
+  # weights differ, so a row or column block read from the wrong tile, row, block or split fails.
+  # No XLA reductions remain.
   assert [ta._merge_columns(320, c) for c in (0, 128, 320, 1024)] == [64, 64, 320, 320]
   assert [ta._merge_columns(512, c) for c in (0, 128)] == [ta.MERGE_COLUMNS, 128]
+  assert ta._merge_columns(400, 0) == 400  # 16-column blocks would be tiny boxes: whole rows
+  assert ta._merge_chunk(1024, 512) == 256
   rng = np.random.default_rng(6)
-  bg, n_rt, splits, dv, rt = 2, 2, 5, 320, 16
+  bg, n_rt, splits, rt = 2, 2, 5, 16
   o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
   lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 8).astype(np.float32)
   lse[1, 3] = -np.inf
@@ -345,14 +348,28 @@ def test_mla_rows_m_staged_epilogue_one_split_many_tiles():
   np.testing.assert_array_equal(got["smem"], got["registers"])
 
 
-def test_staged_epilogue_needs_bf16_partials():
+def test_staged_epilogue_and_probe_are_never_silently_ignored():
   kw = dict(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
             shared_value=True, cache_len=4096)
   assert ta.plan(**kw, partial_dtype="bfloat16", options=ta.Options(epilogue="smem")).form == "rows_m"
-  with pytest.raises(ValueError, match="epilogue='smem'.*bfloat16"):
-    ta.plan(**kw, options=ta.Options(form="rows_m", epilogue="smem"))
+  # fp32 partials: an error, not a quiet switch to the form that ignores the option.
+  for form in ("rows_m", "auto"):
+    with pytest.raises(ValueError, match="epilogue='smem'.*bfloat16"):
+      ta.plan(**kw, options=ta.Options(form=form, epilogue="smem"))
+  with pytest.raises(ValueError, match="as wide as the values"):  # MHA whose query part != Dv
+    ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(256,), value_dim=128,
+            shared_value=False, cache_len=4096, partial_dtype="bfloat16",
+            options=ta.Options(form="rows_m", epilogue="smem"))
+  # 72 rows per group: "auto" takes "rows_n", which has no staged epilogue and no "nostore".
+  nine = dict(kw, q_len=9)
+  for options in (ta.Options(epilogue="smem"), ta.Options(probe="nostore")):
+    with pytest.raises(ValueError, match="applies to form 'rows_m'"):
+      ta.plan(**nine, partial_dtype="bfloat16", options=options)
+  assert ta.plan(**nine, options=ta.Options(form="rows_m", probe="nostore")).form == "rows_m"
   with pytest.raises(ValueError, match="unknown epilogue"):
     ta.plan(**kw, options=ta.Options(epilogue="tma"))
+  with pytest.raises(ValueError, match="merge_columns"):
+    ta.plan(**kw, options=ta.Options(merge_columns=-5))
 
 
 def test_mla_demo_widths_full_budget():
