@@ -163,7 +163,7 @@ def reference_fits(heads, batch, cached, q_len):
 
 
 def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_splits=None,
-             partial_dtype="float32", check=True, rows_per_tile=None, options=None,
+             partial_dtype="auto", check=True, rows_per_tile=None, options=None,
              time_reference=True):
   c_kv, k_pe = pool
   rotations = c_kv.shape[0] // batch
@@ -188,8 +188,8 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   # Per layer: the window metadata built once outside the timed call (one meta per slot set).
   prepare = jax.jit(functools.partial(
       ta.prepare_mla_window, heads=heads, latent_dim=LATENT, rope_dim=ROPE,
-      cache_len=c_kv.shape[1], num_splits=num_splits, rows_per_tile=rows_per_tile,
-      options=options))
+      cache_len=c_kv.shape[1], num_splits=num_splits, partial_dtype=partial_dtype,
+      rows_per_tile=rows_per_tile, options=options))
   metas = [prepare(slot_sets[r], prefix, visibility, valid) for r in range(rotations)]
   meta_ms, _, _, _ = timed(prepare, [(slot_sets[i % rotations], prefix, visibility, valid)
                                      for i in range(min(calls, 20))])
@@ -210,8 +210,10 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
              breakdown_us=breakdown, layer_breakdown_us=layer_breakdown)
   plan = ta.plan(q_len=q_len, heads_per_group=heads, num_work=batch, key_dims=(LATENT, ROPE),
                  value_dim=LATENT, shared_value=True, cache_len=c_kv.shape[1],
-                 num_splits=num_splits, rows_per_tile=rows_per_tile, options=options)
+                 num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile,
+                 options=options, query_dtype=jnp.bfloat16)
   row["options"] = str(plan.options)
+  row["partials"] = plan.partial_dtype  # what "auto" became
   row.update(rows_per_tile=plan.rows_per_tile, row_tiles=plan.num_row_tiles,
              splits=plan.num_splits, value_wgs=plan.value_wgs)
   row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak))
@@ -268,13 +270,12 @@ def variant_list():
   "rows_n" is the previous kernel (query rows on the wgmma N side: S^T = K Q^T, O^T = V^T P^T);
   "rows_m": 64-row tiles on the M side (S = Q K^T, O = P V; the default from 80 rows per group
   where it needs no more row tiles). The probes (on the default) drop parts of the loop (wrong
-  results) to show what each part costs. First, three ways to a cheaper merge at the goal cell:
-  bf16 partial outputs (adds one rounding), half the default split count, and the max-first merge.
+  results) to show what each part costs. First, two ways to a cheaper merge at the goal cell: half
+  the default split count, and the max-first merge.
   """
   O = ta.Options
   goal = (8, 1, 32768, 17)
-  out = [(goal, "bf16 partials (half the merge's reads)", dict(partial_dtype="bfloat16")),
-         (goal, "22 splits (half the partials)", dict(num_splits=22)),
+  out = [(goal, "22 splits (half the partials)", dict(num_splits=22)),
          (goal, "merge two_pass", dict(options=O(merge="two_pass")))]
   # The merge as one Mosaic GPU kernel against the XLA merge (2 fusions), same run, 32k cells.
   for cell in [goal, (8, 1, 32768, 9), (8, 1, 32768, 33)]:
@@ -284,15 +285,16 @@ def variant_list():
       out.append((cell, f"merge kernel {columns} columns a CTA",
                   dict(options=O(merge="kernel", merge_columns=columns))))
     out.append((cell, "merge pairwise (XLA, 2 kernels)", dict(options=O(merge="pairwise"))))
-  # bf16 partials staged in shared memory and stored by TMA (the "nostore" probe put the register
-  # stores at 5-12 us of the goal cell's 32 us kernel), beside bf16 partials stored from registers.
+  # The default at these cells stages bf16 partials in shared memory for one TMA store and merges
+  # them with the merge kernel: beside it the same partials merged by XLA, bf16 partials stored
+  # from registers, and the previous default (fp32 partials from registers).
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65)]:
-    out.append((cell, "epilogue smem (bf16 partials, TMA store)",
-                dict(partial_dtype="bfloat16", options=O(form="rows_m", epilogue="smem"))))
-    out.append((cell, "epilogue smem + merge kernel (bf16 partials)",
-                dict(partial_dtype="bfloat16", options=O(form="rows_m", epilogue="smem", merge="kernel"))))
+    out.append((cell, "epilogue smem + XLA merge (bf16 partials)",
+                dict(partial_dtype="bfloat16", options=O(epilogue="smem", merge="pairwise"))))
     out.append((cell, "epilogue registers (bf16 partials)",
-                dict(partial_dtype="bfloat16", options=O(form="rows_m"))))
+                dict(partial_dtype="bfloat16", options=O(form="rows_m", epilogue="registers"))))
+    out.append((cell, "epilogue registers (fp32 partials, the previous default)",
+                dict(partial_dtype="float32")))
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
     out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))
     out.append((cell, "rows_m", dict(options=O(form="rows_m"))))
@@ -378,7 +380,7 @@ def cells(args):
 
 def is_variant(r):
   return (r.get("num_splits") is not None or r.get("rows_per_tile_override") is not None
-          or r.get("partial_dtype", "float32") != "float32")
+          or r.get("partial_dtype", "auto") != "auto")
 
 
 def markdown(results):
@@ -435,7 +437,7 @@ def markdown(results):
       err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
       lines.append(f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
                    f"{r['rows_per_tile']} | {r['row_tiles']}x{r['splits']} | "
-                   f"{r['partial_dtype']} | {r['time_us']:.1f} | {r['layer_us']:.1f} | "
+                   f"{r.get('partials', r['partial_dtype'])} | {r['time_us']:.1f} | {r['layer_us']:.1f} | "
                    f"{r['kernel_us']:.1f} | {r['roofline_fraction']:.2f} | {err} |")
   errors = [r for r in results["rows"] if "error" in r]
   if errors:

@@ -90,8 +90,10 @@ Layout of the work (why it is shaped this way):
     P V, 18.7 without compute, and **20.4 without the partial-output stores** (probe "nostore";
     the outputs are then unused, so the compiler may also have dropped the P V products and
     rescales: the stores cost 5-12 us). Every thread stores its fp32 WGMMA fragments straight
-    to global memory (bf16 partials stored that way were slower still); ``Options.epilogue=
-    "smem"`` stages bf16 partials in the query tile for one TMA store (tested, not yet timed).
+    to global memory (bf16 partials stored that way were slower still). Since then the default
+    (``Options.epilogue="auto"`` with ``partial_dtype="auto"``, bf16 queries) stages bf16
+    partials in the query tile for one TMA store: kernel 29.8 us, per layer with the merge
+    kernel 33.0 us (``bench_tree_attention_epilogue.md``).
   * What limits "rows_n" (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): compute,
     not the KV stream. The kernel takes 34.8 us, 33.4 with the loads left out, 17.3 with the compute
     left out and 27.6 with the softmax left out, i.e. about 2.2 us of wgmma work per 64-column
@@ -181,11 +183,12 @@ class Options:
     "split"/"auto" (see ``_plan_rows_m`` for why a softmax-only warpgroup does not compile).
   regs: registers per thread of warpgroups 0 and 1 (setmaxnreg; with the memory warpgroup's 40
     at most 512 in all); 0: 232 each (form "rows_n" only).
-  merge: "auto" (default: "kernel" for float32 partials and ``MERGE_KERNEL_ROWS`` merged rows,
-    where it was timed faster, else "pairwise"), "kernel" (one Mosaic GPU kernel,
-    ``_merge_kernel``, reads each real row's partials, by blocks of ``merge_columns``, and
-    log-sum-exps and writes the final float32 rows; where a block of every split does not fit
-    its shared memory, ``_merge_kernel_fits``, the "pairwise" XLA merge runs instead),
+  merge: "auto" (default: "kernel" for ``MERGE_KERNEL_ROWS`` merged rows, or
+    ``MERGE_KERNEL_ROWS_BF16`` with bf16 partials, where it was timed faster, else "pairwise"),
+    "kernel" (one Mosaic GPU kernel, ``_merge_kernel``, reads each real row's partials, by
+    blocks of ``merge_columns``, and log-sum-exps and writes the final float32 rows; where a
+    block of every split does not fit its shared memory or is not a multiple of 128 columns,
+    ``_merge_kernel_fits``, the "pairwise" XLA merge runs instead),
     "pairwise" (XLA: each split's weight 1 / sum_t 2^(lse_t - lse_s) in one fusion, and one
     weighted sum: two kernels) or "two_pass" (XLA: max, then exponentials and sums: three).
   form: which kernel. "rows_n": the query rows on the wgmma N side (S^T = K Q^T, O^T = V^T P^T;
@@ -198,9 +201,11 @@ class Options:
   epilogue: how "rows_m" writes each split's partial output. "registers": every thread stores its
     WGMMA fragments straight to global memory. "smem" (bf16 partials, query width = Dv): each
     compute warpgroup writes its half of O into the query tile's first part, idle once warpgroup
-    0 has computed its last S, and stores it with one TMA copy. Not yet timed on the GPU (the
-    "nostore" probe put the register stores at 5-12 us of the 32 us goal-cell kernel); "rows_n"
-    ignores it.
+    0 has computed its last S, and stores it with one TMA copy. "auto" (default): "smem" where
+    the partials are bf16 and it applies, else "registers". H200, h8 b1 32k, same run, bf16
+    partials: kernel 29.8 / 44.5 / 76.6 us at q17 / q33 / q65 staged, 35.0 / 49.3 / 79.7 from
+    registers (fp32 partials from registers: 32.1 / 46.6 / 77.3;
+    ``bench_tree_attention_epilogue``). "rows_n" takes "auto" and "registers" only.
   probe: timing probes that give wrong results: "noload" (after the first stages the memory
     warpgroup only signals the stages, no copies: compute alone), "nocompute" (the compute
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
@@ -216,7 +221,7 @@ class Options:
   form: str = "auto"
   rows_m_min: int = 80
   merge_columns: int = 0
-  epilogue: str = "registers"
+  epilogue: str = "auto"
   probe: str = ""
 
 
@@ -266,8 +271,8 @@ def _rows_m_applies(value_dim: int) -> bool:
 
 def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim: int,
          shared_value: bool, cache_len: int, num_splits: int | None = None,
-         partial_dtype: str = "float32", rows_per_tile: int | None = None,
-         options: Options | None = None) -> Plan:
+         partial_dtype: str = "auto", rows_per_tile: int | None = None,
+         options: Options | None = None, query_dtype=None) -> Plan:
   """Block sizes for one call, chosen from the register and shared-memory budgets.
 
   Args:
@@ -277,15 +282,21 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     shared_value: the values are key part 0 (absorbed MLA), so a stage holds no separate V tile.
     cache_len: T, columns of the cache pool.
     num_splits: force the KV split count (tests, tuning); default ``_choose_splits``.
-    partial_dtype: "float32" (default) or "bfloat16" (half the epilogue's traffic, adds one bf16
-      rounding of each partial output).
+    partial_dtype: "float32", "bfloat16" (half the epilogue's traffic, adds one bf16 rounding of
+      each partial output) or "auto" (default): "bfloat16" where the queries (``query_dtype``)
+      are bf16 and form "rows_m" stages the outputs in shared memory (``Options.epilogue``:
+      where query part 0 is as wide as the values, as in absorbed MLA and MHA), where it was
+      timed faster (MLA);
+      else "float32". It never changes the row tiles, so window metadata built with "auto" and
+      no ``query_dtype`` serves every call.
     rows_per_tile: force the row tile (tests, tuning); default: fewest row tiles that fit.
     options: kernel variants (``Options``); default ``Options()``.
+    query_dtype: the queries' dtype, for ``partial_dtype="auto"`` (None: not bf16).
   """
   options = Options() if options is None else options
   if options.probe not in ("", "noload", "nocompute", "nosoftmax", "nopv", "nostore"):
     raise ValueError(f"unknown probe {options.probe!r}")
-  if options.epilogue not in ("registers", "smem"):
+  if options.epilogue not in ("auto", "registers", "smem"):
     raise ValueError(f"unknown epilogue {options.epilogue!r}")
   if options.merge_columns < 0:
     raise ValueError(f"merge_columns must be 0 (default) or positive, got {options.merge_columns}")
@@ -293,8 +304,12 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown pv {options.pv!r}")
   if options.merge not in ("auto", "pairwise", "two_pass", "kernel"):
     raise ValueError(f"unknown merge {options.merge!r}")
-  if partial_dtype not in ("float32", "bfloat16"):
-    raise ValueError(f"partial_dtype must be 'float32' or 'bfloat16', got {partial_dtype!r}")
+  if partial_dtype not in ("auto", "float32", "bfloat16"):
+    raise ValueError(f"partial_dtype must be 'auto', 'float32' or 'bfloat16', got {partial_dtype!r}")
+  auto_partials = partial_dtype == "auto"
+  if auto_partials:  # rows_n and an unstaged rows_m turn it back to float32
+    bf16_queries = query_dtype is not None and jnp.dtype(query_dtype) == jnp.bfloat16
+    partial_dtype = "bfloat16" if bf16_queries else "float32"
   if options.form not in ("auto", "rows_n", "rows_m"):
     raise ValueError(f"unknown form {options.form!r}")
   rows = q_len * heads_per_group
@@ -305,7 +320,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     rows_m = _plan_rows_m(rows=rows, q_len=q_len, num_work=num_work, key_dims=key_dims,
                           value_dim=value_dim, shared_value=shared_value, cache_len=cache_len,
                           num_splits=num_splits, partial_dtype=partial_dtype,
-                          rows_per_tile=rows_per_tile, options=options,
+                          auto_partials=auto_partials, rows_per_tile=rows_per_tile,
+                          options=options,
                           required=options.form == "rows_m" or options.epilogue == "smem")
     if options.form == "rows_m":
       return rows_m
@@ -347,6 +363,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     if applies:  # never silently ignored: a variant that times the other form misleads
       raise ValueError(f"tree attention: {what} applies to form 'rows_m', and this call takes "
                        f"'rows_n' ({rows} rows per group); force form='rows_m' where it applies")
+  if auto_partials:
+    partial_dtype = "float32"  # bf16 partials from registers were slower (see Options.epilogue)
   if num_splits is None:
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
@@ -366,7 +384,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   # tile).
   wg0_o_rows = value_dim // value_wgs if pv == "split" else 0
   lazy_sum = options.lazy_sum and (wg0_o_rows + 3 * BLOCK_KV) * rt // 128 <= 200
-  options = dataclasses.replace(options, lazy_sum=lazy_sum, pv=pv, form="rows_n")
+  options = dataclasses.replace(options, lazy_sum=lazy_sum, pv=pv, form="rows_n",
+                                epilogue="registers")
   spare = SMEM_BUDGET - _smem_bytes(rt, key_width, value_width, num_words, num_stages)
   scratch = options.reduction_scratch or max(
       REDUCTION_SCRATCH_BYTES, min(rt * 128, (spare + REDUCTION_SCRATCH_BYTES) // 1024 * 1024))
@@ -377,7 +396,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
 
 
 def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, cache_len,
-                 num_splits, partial_dtype, rows_per_tile, options, required) -> Plan | None:
+                 num_splits, partial_dtype, auto_partials, rows_per_tile, options,
+                 required) -> Plan | None:
   """The "rows_m" plan: 64-row tiles, two compute warpgroups, as many KV stages as fit (2-4).
 
   Returns None where it does not apply and ``required`` is false (then ``plan`` falls back).
@@ -401,7 +421,13 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
                 "thread that ptxas allows 512 threads")
   if options.regs != (0, 0):
     return fail("Options.regs applies to form='rows_n' only (rows_m: 232 and 232)")
-  if options.epilogue == "smem" and (partial_dtype != "bfloat16" or key_dims[0] != value_dim):
+  stageable = partial_dtype == "bfloat16" and key_dims[0] == value_dim
+  epilogue = options.epilogue
+  if epilogue == "auto":
+    epilogue = "smem" if stageable else "registers"
+    if auto_partials and not stageable:
+      partial_dtype = "float32"
+  elif epilogue == "smem" and not stageable:
     return fail("epilogue='smem' stages O in the query tile's first part: it needs "
                 f"partial_dtype='bfloat16' (got {partial_dtype!r}) and that part as wide as the "
                 f"values (got {key_dims[0]} and {value_dim})")
@@ -419,7 +445,8 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
   num_row_tiles = -(-rows // ROWS_M)
   if num_splits is None:
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
-  options = dataclasses.replace(options, form="rows_m", pv="split", lazy_sum=False)
+  options = dataclasses.replace(options, form="rows_m", pv="split", lazy_sum=False,
+                                epilogue=epilogue)
   return Plan(rows_per_tile=ROWS_M, num_row_tiles=num_row_tiles, swizzle=swizzle,
               num_stages=stages[0], num_splits=num_splits, rows_stored=ROWS_M,
               reduction_scratch=0, value_wgs=2, partial_dtype=partial_dtype, options=options,
@@ -938,8 +965,8 @@ def _transforms(swizzle: int):
 
 def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid, *, scale,
             q_len, heads_per_group, num_groups, interpret, num_splits=None,
-            partial_dtype="float32", rows_per_tile=None, options=None, window_meta=None,
-            name="tree attention", call_dims=()):
+            partial_dtype="auto", rows_per_tile=None, options=None, window_meta=None,
+            name="tree attention", call_dims=(), query_dtype=None):
   """Runs the kernel on folded operands and merges the partials.
 
   Args:
@@ -950,6 +977,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
     window_meta: a ``WindowMeta`` built for this call's shapes, or None to build it here.
     call_dims: ((name, value), ...) of the caller's own widths and pool length, checked against
       ``window_meta`` beside what the metadata itself depends on (``_meta_layout``).
+    query_dtype: the caller's query dtype before the bf16 conversion (``partial_dtype="auto"``).
   Returns:
     float32 [BG, rows, Dv].
   """
@@ -960,7 +988,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=bg_count, key_dims=key_dims,
              value_dim=value_dim, shared_value=value_pool is None, cache_len=cache_len,
              num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile,
-             options=options)
+             options=options, query_dtype=query_dtype)
   rt_rows, n_rt = pl_.rows_per_tile, pl_.num_row_tiles
   # A TMA box may overhang the array's end (zero fill) but not exceed its size, and the tiled
   # copy wants whole 8-row tiles: pad only then (never for Kimi's 8 heads once Q * 8 >= Rt).
@@ -1105,7 +1133,8 @@ def _checked_meta(name, window_meta, layout):
 
 
 def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num_groups, key_dims,
-             value_dim, shared_value, cache_len, num_splits, rows_per_tile, options, call_dims):
+             value_dim, shared_value, cache_len, num_splits, partial_dtype, rows_per_tile, options,
+             call_dims):
   batch, q_len = valid.shape if valid.ndim == 2 else (None, None)
   if batch is None:
     raise ValueError(f"{name}: valid must be [B, Q], got shape {tuple(valid.shape)}")
@@ -1115,8 +1144,8 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
   padded_len = _padded_cache_len(cache_len)
   pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=batch * num_groups,
              key_dims=key_dims, value_dim=value_dim, shared_value=shared_value,
-             cache_len=padded_len, num_splits=num_splits, rows_per_tile=rows_per_tile,
-             options=options)
+             cache_len=padded_len, num_splits=num_splits, partial_dtype=partial_dtype,
+             rows_per_tile=rows_per_tile, options=options)
   meta = _window_meta(slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                       q_len=q_len, cache_len=padded_len, heads_per_group=heads_per_group,
                       num_groups=num_groups, n_rt=pl_.num_row_tiles,
@@ -1135,7 +1164,8 @@ def _mha_dims(head_dim, cache_len):
 
 
 def prepare_mla_window(slots, prefix_len, visibility, valid, *, heads: int, latent_dim: int,
-                       rope_dim: int, cache_len: int, num_splits=None, rows_per_tile=None,
+                       rope_dim: int, cache_len: int, num_splits=None,
+                       partial_dtype: str = "auto", rows_per_tile=None,
                        options=None) -> WindowMeta:
   """The window metadata of ``mla_tree_attention`` calls, built once for every layer of a step.
 
@@ -1147,7 +1177,8 @@ def prepare_mla_window(slots, prefix_len, visibility, valid, *, heads: int, late
     slots, prefix_len, visibility, valid: the step's window, exactly as every call will get it.
     heads: query heads N; latent_dim, rope_dim: R and P of the queries and pools; cache_len: T,
       the pool's columns (``c_kv.shape[1]``).
-    num_splits, rows_per_tile, options: as the calls will pass them (they choose the row tiles).
+    num_splits, partial_dtype, rows_per_tile, options: as the calls will pass them (they choose
+      the row tiles).
   Returns:
     A ``WindowMeta``; a call whose shapes or plan differ raises ``ValueError`` naming them.
   """
@@ -1155,12 +1186,13 @@ def prepare_mla_window(slots, prefix_len, visibility, valid, *, heads: int, late
   return _prepare("prepare_mla_window", slots, prefix_len, visibility, valid,
                   heads_per_group=heads, num_groups=1, key_dims=[latent_p, rope_p],
                   value_dim=latent_p, shared_value=True, cache_len=cache_len,
-                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options,
-                  call_dims=_mla_dims(latent_dim, rope_dim, cache_len))
+                  num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile,
+                  options=options, call_dims=_mla_dims(latent_dim, rope_dim, cache_len))
 
 
 def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_heads: int,
-                       head_dim: int, cache_len: int, num_splits=None, rows_per_tile=None,
+                       head_dim: int, cache_len: int, num_splits=None,
+                       partial_dtype: str = "auto", rows_per_tile=None,
                        options=None) -> WindowMeta:
   """``prepare_mla_window`` for ``mha_tree_attention``: N query heads over G = ``kv_heads``
   K/V heads of width D = ``head_dim`` in a pool of ``cache_len`` columns."""
@@ -1171,8 +1203,8 @@ def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_h
   return _prepare("prepare_mha_window", slots, prefix_len, visibility, valid,
                   heads_per_group=heads // kv_heads, num_groups=kv_heads, key_dims=[dim_p],
                   value_dim=dim_p, shared_value=False, cache_len=cache_len,
-                  num_splits=num_splits, rows_per_tile=rows_per_tile, options=options,
-                  call_dims=_mha_dims(head_dim, cache_len))
+                  num_splits=num_splits, partial_dtype=partial_dtype, rows_per_tile=rows_per_tile,
+                  options=options, call_dims=_mha_dims(head_dim, cache_len))
 
 
 def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, interpret=None):
@@ -1229,15 +1261,18 @@ MERGE_SMEM_LIMIT = 200 * 1024  # bytes of one merge CTA's partials and log-sum-e
 # elsewhere: at batch 32 or 64 heads it launches thousands of small CTAs, at q_len 1 a few CTAs
 # each holding up to 128 KB of partials; the XLA merge runs there until they are timed.
 MERGE_KERNEL_ROWS = (64, 512)
+# The same for bf16 partials (the staged epilogue's): timed faster than the XLA merge at 136, 264
+# and 520 rows (h8 b1 32k q17/q33/q65: 3.1 us against 7.0 at q17; ``bench_tree_attention_epilogue``).
+MERGE_KERNEL_ROWS_BF16 = (64, 520)
 
 
 def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
-  """Whether ``merge`` asks for the merge kernel here ("auto": fp32 partials and
-  ``MERGE_KERNEL_ROWS``, where it was timed; bf16 partials, which it reads as they are, untimed)."""
+  """Whether ``merge`` asks for the merge kernel here ("auto": ``MERGE_KERNEL_ROWS`` for fp32
+  partials, ``MERGE_KERNEL_ROWS_BF16`` for bf16, where it was timed)."""
   if merge == "kernel":
     return True
-  lo, hi = MERGE_KERNEL_ROWS
-  return merge == "auto" and o_part.dtype == jnp.float32 and lo <= merged_rows <= hi
+  lo, hi = MERGE_KERNEL_ROWS if o_part.dtype == jnp.float32 else MERGE_KERNEL_ROWS_BF16
+  return merge == "auto" and lo <= merged_rows <= hi
 
 
 MERGE_COLUMNS = 256  # output columns per merge-kernel CTA (``Options.merge_columns`` = 0)
@@ -1252,26 +1287,29 @@ def _merge_chunk(dv: int, columns: int, itemsize: int = 4) -> int:
 
 def _merge_columns(dv: int, columns: int) -> int:
   """Output columns per merge CTA: all of Dv where ``columns`` (0: ``MERGE_COLUMNS``) reaches it,
-  else the largest power of two up to ``columns`` that divides Dv; Dv where none does, or where
-  that is under 64 columns and more was asked for."""
+  else the largest of 512, 256 and 128 up to ``columns`` (128 at least) that divides Dv; Dv
+  where none does.
+
+  A block is a multiple of 128 columns because the kernel's warpgroup spreads the block over
+  its 128 threads: Mosaic GPU's layout inference fails for 64- or 192-column blocks (jax 0.11.2,
+  checked by lowering for CUDA), so ``_merge_kernel_fits`` rejects Dv without such a block (64,
+  192, 320, 400: the XLA merge runs there)."""
   want = columns or MERGE_COLUMNS
   if want >= dv:
     return dv
-  block = next((c for c in (512, 256, 128, 64, 32, 16, 8, 4) if c <= want and dv % c == 0), dv)
-  # Blocks under 64 columns (Dv such as 400: 16) would be many CTAs of tiny boxes, untimed:
-  # whole rows there, as the kernel's first design.
-  return block if block >= min(64, want) else dv
+  return next((c for c in (512, 256, 128) if c <= max(want, 128) and dv % c == 0), dv)
 
 
 def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0, itemsize: int = 4) -> bool:
   """Whether ``_merge_kernel`` takes these partials (``itemsize`` bytes each: fp32 or bf16): one
   CTA holds one row's ``columns`` of every split (the splits a TMA box dimension: at most 256) in
   shared memory, 16 bytes a box row at least, and reads its row's log-sum-exp in a box of four
-  (Rt a multiple of 4, as every plan's row tile is); else the XLA merge runs."""
+  (Rt a multiple of 4, as every plan's row tile is), in column blocks of a multiple of 128
+  (``_merge_columns``); else the XLA merge runs."""
   _, splits, _, _, dv = o_shape
   rt = lse_shape[-1]
   cols = _merge_columns(dv, columns)
-  return (splits <= 256 and dv * itemsize % 16 == 0 and cols * itemsize >= 16
+  return (splits <= 256 and cols % 128 == 0
           and rt <= 256 and rt % 4 == 0
           and splits * (cols * itemsize + 16) <= MERGE_SMEM_LIMIT)
 
@@ -1380,7 +1418,7 @@ def _check_float(name, **arrays):
 
 
 def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, *,
-                       scale, interpret=None, num_splits=None, partial_dtype="float32",
+                       scale, interpret=None, num_splits=None, partial_dtype="auto",
                        rows_per_tile=None, options=None, window_meta=None):
   """Absorbed-MLA tree attention over one layer's latent cache pool (Mosaic GPU kernel).
 
@@ -1393,7 +1431,9 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     scale: softmax scale.
     interpret: None on the GPU; ``plgpu.InterpretGPUParams(...)`` runs the kernel on the CPU.
     num_splits: force the KV split count (tests, tuning); default from the SM count.
-    partial_dtype: dtype of the per-split partial outputs ("float32" or "bfloat16").
+    partial_dtype: dtype of the per-split partial outputs: "float32", "bfloat16" or "auto"
+      (default: bf16 where the queries are bf16 and the kernel stages the outputs in shared
+      memory, see ``plan``; float32 otherwise).
     rows_per_tile: force the row tile (tests, tuning); default from ``plan``.
     options: kernel variants (``Options``, for the benchmark); default ``Options()``.
     window_meta: optional ``WindowMeta`` from ``prepare_mla_window`` for this window, shared by
@@ -1426,12 +1466,12 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
                 scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
                 interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
                 rows_per_tile=rows_per_tile, options=options, window_meta=window_meta, name=name,
-                call_dims=_mla_dims(latent, rope, c_kv.shape[1]))
+                call_dims=_mla_dims(latent, rope, c_kv.shape[1]), query_dtype=q_latent.dtype)
   return out[..., :latent].reshape(batch, q_len, heads, latent)
 
 
 def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, interpret=None,
-                       num_splits=None, partial_dtype="float32", rows_per_tile=None,
+                       num_splits=None, partial_dtype="auto", rows_per_tile=None,
                        options=None, window_meta=None):
   """Grouped/multi-head tree attention over one layer's K/V pool (Mosaic GPU kernel).
 
@@ -1468,6 +1508,7 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
                 visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
                 num_groups=groups, interpret=interpret, num_splits=num_splits,
                 partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options,
-                window_meta=window_meta, name=name, call_dims=_mha_dims(dim, k.shape[1]))
+                window_meta=window_meta, name=name, call_dims=_mha_dims(dim, k.shape[1]),
+                query_dtype=q.dtype)
   out = out[..., :dim].reshape(batch, groups, q_len, rep, dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dim)

@@ -9,6 +9,8 @@ probabilities and of the per-split partial outputs to bf16 (bound below).
 Shapes are small (interpret mode runs every warpgroup in Python); two cases use Kimi's widths.
 """
 
+import dataclasses
+import functools
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -139,7 +141,7 @@ def test_merges_agree_with_empty_and_far_apart_splits():
   # float64 merge: empty splits (-inf), a split 300 log2-units above the rest (its terms
   # overflow to inf and the others get weight 0), and rows that no split saw (sliced off).
   rng = np.random.default_rng(5)
-  bg, n_rt, splits, dv, rt = 2, 2, 6, 8, 16
+  bg, n_rt, splits, dv, rt = 2, 2, 6, 128, 16
   o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)  # partials [rows, Dv]
   lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 20).astype(np.float32)
   lse[0, 1, 0] = -np.inf
@@ -163,18 +165,20 @@ def test_merges_agree_with_empty_and_far_apart_splits():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
 
 
-@pytest.mark.parametrize("dv,columns", [(320, 0), (320, 320), (1024, 0), (1024, 512)])
+@pytest.mark.parametrize("dv,columns", [(384, 0), (384, 384), (1024, 0), (1024, 512)])
 def test_merge_kernel_row_mapping_and_wide_rows(dv, columns):
   # The merge kernel (one CTA per output row and column block) on two row tiles of 16 rows, a row
   # count that ends inside the second tile, and rows at every place inside their box of 4
-  # log-sum-exps. Dv 320: 5 blocks of 64 columns by default, one whole row at columns 320; Dv
+  # log-sum-exps. Dv 384: 3 blocks of 128 columns by default, one whole row at columns 384; Dv
   # 1024: 4 blocks of 256 by default, 2 blocks of 2 chunks of 256 at columns 512. Every row's
   # weights differ, so a row or column block read from the wrong tile, row, block or split fails.
   # No XLA reductions remain.
-  assert [ta._merge_columns(320, c) for c in (0, 128, 320, 1024)] == [64, 64, 320, 320]
+  assert [ta._merge_columns(384, c) for c in (0, 64, 128, 384, 1024)] == [128, 128, 128, 384, 384]
   assert [ta._merge_columns(512, c) for c in (0, 128)] == [ta.MERGE_COLUMNS, 128]
-  assert ta._merge_columns(400, 0) == 400  # 16-column blocks would be tiny boxes: whole rows
   assert ta._merge_chunk(1024, 512) == 256
+  # No block of a multiple of 128 columns (what the GPU kernel compiles for): the XLA merge.
+  for width in (64, 192, 320, 400):
+    assert not ta._merge_kernel_fits((1, 4, 1, 64, width), (1, 4, 1, 64))
   rng = np.random.default_rng(6)
   bg, n_rt, splits, rt = 2, 2, 5, 16
   o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
@@ -198,6 +202,19 @@ def test_merge_kernel_row_mapping_and_wide_rows(dv, columns):
   assert ta._merge_kernel_fits((1, 43, 3, 64, 512), (1, 43, 3, 64), 512)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_kernel_lowers_for_cuda_wherever_it_fits(dtype):
+  # The interpreter runs any block width, the GPU compiler does not: 64-column blocks failed
+  # Mosaic GPU's layout inference on the H200 (MHA with D=64). Lowering for CUDA runs that
+  # inference on the CPU; every width _merge_kernel_fits accepts must pass it.
+  sds = jax.ShapeDtypeStruct
+  for dv, columns in [(128, 0), (384, 0), (512, 0), (512, 128), (640, 512), (1024, 512)]:
+    o, lse = sds((2, 5, 2, 64, dv), dtype), sds((2, 5, 2, 64), jnp.float32)
+    assert ta._merge_kernel_fits(o.shape, lse.shape, columns, jnp.dtype(dtype).itemsize)
+    merge = functools.partial(ta._merge_kernel, rows=100, columns=columns)
+    jax.jit(merge).trace(o, lse).lower(lowering_platforms=("cuda",))
+
+
 def test_merge_kernel_reads_bf16_partials_as_stored():
   # bf16 partials: the kernel loads them as they are (no XLA conversion of the partials before
   # it) and widens them in registers; same result as the XLA merge of the same bf16 values.
@@ -214,17 +231,17 @@ def test_merge_kernel_reads_bf16_partials_as_stored():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   jaxpr = jax.make_jaxpr(lambda a, b: ta._merge(a, b, plans["kernel"], rows))(o, lse)
   assert "convert_element_type" not in {e.primitive.name for e in jaxpr.eqns}
-  # A bf16 box row needs 8 elements (16 bytes): 4 columns of bf16 do not fit the kernel.
-  assert ta._merge_kernel_fits((1, 4, 1, 8, 8), (1, 4, 1, 8), 0, 2)
-  assert not ta._merge_kernel_fits((1, 4, 1, 8, 4), (1, 4, 1, 8), 0, 2)
-  assert ta._merge_kernel_fits((1, 4, 1, 8, 4), (1, 4, 1, 8), 0, 4)
+  # Blocks of a multiple of 128 columns in either dtype (what the GPU compiles), nothing narrower.
+  for itemsize in (2, 4):
+    assert ta._merge_kernel_fits((1, 4, 1, 8, 128), (1, 4, 1, 8), 0, itemsize)
+    assert not ta._merge_kernel_fits((1, 4, 1, 8, 64), (1, 4, 1, 8), 0, itemsize)
 
 
 def test_merge_kernel_row_no_split_saw_is_zero():
   # A real row whose every split is empty (lse -inf everywhere, zero partials) merges to zeros,
   # as the XLA merges give, not NaN (2^(-inf - -inf)); the rows beside it are unaffected.
   rng = np.random.default_rng(7)
-  bg, n_rt, splits, dv, rt = 1, 1, 3, 64, 8
+  bg, n_rt, splits, dv, rt = 1, 1, 3, 128, 8
   o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
   lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 4).astype(np.float32)
   lse[0, :, 0, 2] = -np.inf
@@ -251,9 +268,9 @@ def test_merge_kernel_falls_back_to_xla_where_it_does_not_fit():
   o = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt, dv)), jnp.float32)
   lse = jnp.asarray(rng.standard_normal((bg, splits, n_rt, rt)) * 4, jnp.float32)
   assert not ta._merge_kernel_fits(o.shape, lse.shape, 512)
-  assert not ta._merge_kernel_fits((1, 300, 1, 8, 8), (1, 300, 1, 8))  # box dimension > 256
-  assert ta._merge_kernel_fits((1, 256, 1, 8, 8), (1, 256, 1, 8))
-  assert not ta._merge_kernel_fits((1, 4, 1, 6, 8), (1, 4, 1, 6))  # log-sum-exps not in boxes of 4
+  assert not ta._merge_kernel_fits((1, 300, 1, 8, 128), (1, 300, 1, 8))  # box dimension > 256
+  assert ta._merge_kernel_fits((1, 256, 1, 8, 128), (1, 256, 1, 8))
+  assert not ta._merge_kernel_fits((1, 4, 1, 6, 128), (1, 4, 1, 6))  # lse not in boxes of 4
   plans = {m: ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
                       num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
                       options=ta.Options(merge=m, merge_columns=512)) for m in ("kernel", "pairwise")}
@@ -266,11 +283,11 @@ def test_merge_kernel_falls_back_to_xla_where_it_does_not_fit():
 
 
 def test_merge_auto_takes_the_kernel_only_where_it_was_timed():
-  # merge="auto" (the default): the merge kernel for float32 partials and MERGE_KERNEL_ROWS merged
-  # rows (bg x rows), the XLA merge otherwise (fewer or more rows, bf16 partials); same results.
+  # merge="auto" (the default): the merge kernel for MERGE_KERNEL_ROWS merged rows (bg x rows) of
+  # float32 partials and MERGE_KERNEL_ROWS_BF16 of bf16, the XLA merge otherwise; same results.
   assert ta.Options().merge == "auto"
   rng = np.random.default_rng(11)
-  splits, dv, rt = 4, 64, 64
+  splits, dv, rt = 4, 128, 64
   lo, hi = ta.MERGE_KERNEL_ROWS
 
   def kinds(bg, rows, dtype):
@@ -290,7 +307,11 @@ def test_merge_auto_takes_the_kernel_only_where_it_was_timed():
   assert kinds(2, hi // 2, jnp.float32) == "kernel"
   assert kinds(1, lo - 8, jnp.float32) == "pairwise"
   assert kinds(3, hi // 2, jnp.float32) == "pairwise"
-  assert kinds(1, lo, jnp.bfloat16) == "pairwise"
+  lo16, hi16 = ta.MERGE_KERNEL_ROWS_BF16
+  assert kinds(1, lo16, jnp.bfloat16) == "kernel"
+  assert kinds(1, hi16, jnp.bfloat16) == "kernel"
+  assert kinds(1, lo16 - 8, jnp.bfloat16) == "pairwise"
+  assert kinds(1, hi16 + 8, jnp.bfloat16) == "pairwise"
 
 
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
@@ -312,15 +333,17 @@ def test_mla_bf16_partial_outputs():
 @pytest.mark.parametrize("form", ["rows_n", "auto"])
 def test_mla_kimi_widths_bf16_inputs(form):
   # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree:
-  # 136 rows in 3 tiles of 48 ("rows_n") or of 64 ("rows_m", what the default picks here: 2 KV
-  # stages, one P buffer).
+  # 136 rows in 3 tiles of 48 ("rows_n", fp32 partials) or of 64 (the default: "rows_m", 2 KV
+  # stages, one P buffer, bf16 partials staged in the query tile and stored by TMA).
   if form == "auto":
-    assert ta.plan(q_len=17, heads_per_group=8, num_work=2, key_dims=(512, 64), value_dim=512,
-                   shared_value=True, cache_len=136, num_splits=2).form == "rows_m"
+    pl_ = ta.plan(q_len=17, heads_per_group=8, num_work=2, key_dims=(512, 64), value_dim=512,
+                  shared_value=True, cache_len=136, num_splits=2, query_dtype=jnp.bfloat16)
+    assert (pl_.form, pl_.partial_dtype, pl_.options.epilogue) == ("rows_m", "bfloat16", "smem")
   rng = np.random.default_rng(7)
   got, want, valid = run_mla(rng, batch=2, q_len=17, heads=8, latent=512, rope=64, cache_len=136,
-                             num_splits=2, dtype=jnp.bfloat16, options=ta.Options(form=form))
-  assert_matches(got, want, valid)
+                             num_splits=2, dtype=jnp.bfloat16, options=ta.Options(form=form),
+                             partial_dtype="auto" if form == "auto" else "float32")
+  assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS if form == "auto" else ATOL)
 
 
 @pytest.mark.parametrize("epilogue,partial_dtype", [("registers", "float32"), ("smem", "bfloat16")])
@@ -368,8 +391,35 @@ def test_staged_epilogue_and_probe_are_never_silently_ignored():
   assert ta.plan(**nine, options=ta.Options(form="rows_m", probe="nostore")).form == "rows_m"
   with pytest.raises(ValueError, match="unknown epilogue"):
     ta.plan(**kw, options=ta.Options(epilogue="tma"))
+  with pytest.raises(ValueError, match="partial_dtype must be"):
+    ta.plan(**kw, partial_dtype="float16")
   with pytest.raises(ValueError, match="merge_columns"):
     ta.plan(**kw, options=ta.Options(merge_columns=-5))
+
+
+@pytest.mark.parametrize("query_dtype,q_len,key_dims,value_dim,want", [
+    # MLA at Kimi's widths, rows_m: bf16 queries stage bf16 partials; fp32 queries keep fp32.
+    (jnp.bfloat16, 17, (512, 64), 512, ("rows_m", "bfloat16", "smem")),
+    (jnp.float32, 17, (512, 64), 512, ("rows_m", "float32", "registers")),
+    (None, 17, (512, 64), 512, ("rows_m", "float32", "registers")),
+    # 72 rows per group: rows_n, whose bf16 partials (registers) were slower: fp32.
+    (jnp.bfloat16, 9, (512, 64), 512, ("rows_n", "float32", "registers")),
+    # rows_m whose query part 0 is narrower than the values cannot stage: fp32 from registers.
+    (jnp.bfloat16, 17, (128, 32), 256, ("rows_m", "float32", "registers")),
+])
+def test_auto_partials_and_epilogue(query_dtype, q_len, key_dims, value_dim, want):
+  kw = dict(q_len=q_len, heads_per_group=8, num_work=1, key_dims=key_dims, value_dim=value_dim,
+            shared_value=key_dims[0] == value_dim, cache_len=4096)
+  if key_dims[0] != value_dim:  # "auto" would take rows_n here; force the form in question
+    kw["options"] = ta.Options(form="rows_m")
+  auto = ta.plan(**kw, query_dtype=query_dtype)
+  assert (auto.form, auto.partial_dtype, auto.options.epilogue) == want
+  # "auto" never changes the row tiles (window metadata built without the query dtype serves).
+  explicit = ta.plan(**dict(kw, options=dataclasses.replace(kw.get("options", ta.Options()),
+                                                             epilogue="registers")),
+                     partial_dtype="float32")
+  assert (auto.rows_per_tile, auto.num_row_tiles, auto.num_splits) == (
+      explicit.rows_per_tile, explicit.num_row_tiles, explicit.num_splits)
 
 
 def test_mla_demo_widths_full_budget():
@@ -424,7 +474,10 @@ def run_long_split(seed, *, q_len, heads, latent, rope, cache_len, prefix, form,
                               interpret=INTERPRET, num_splits=1, options=ta.Options(form=form))
   check_no_races()
   want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid, scale=scale)
-  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
+  # The default partials: bf16 (staged) for bf16 queries in "rows_m", else float32.
+  bf16_partials = dtype == jnp.bfloat16 and form == "rows_m"
+  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid),
+                 atol=ATOL_BF16_PARTIALS if bf16_partials else ATOL)
 
 
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
