@@ -33,6 +33,9 @@ it moves 1024 of the 1152 bytes per token and is a lower bound on its cost for t
 
 Writes ``bench_tree_attention.json`` and ``.md`` (``.png`` with ``--plot``). Cells run in priority
 order (the issue's goal cells first) until ``--budget-s`` runs out; skipped cells are listed.
+``--resume FILE ...`` carries the cells of earlier result files over (each row keeps its run's
+ceilings and is tagged with its run) and times only the cells they lack, so a grid too long for
+one device call fills up over several; ``--render-only`` writes the combined files without a GPU.
 ``--variants`` then times kernel forms and probes side by side (``variant_list``: the transposed
 kernel "rows_n" and the 64-row-tile kernel "rows_m" at each listed cell, and probes that leave
 the loads, the compute or the P V products out);
@@ -296,8 +299,10 @@ def variant_list():
     out.append((cell, "epilogue registers (fp32 partials, the previous default)",
                 dict(partial_dtype="float32")))
   for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (64, 1, 32768, 9), (8, 1, 32768, 9)]:
-    out.append((cell, "rows_n (previous kernel)", dict(options=O(form="rows_n"))))
-    out.append((cell, "rows_m", dict(options=O(form="rows_m"))))
+    # Both forms with fp32 partials from registers, so that only the form differs.
+    out.append((cell, "rows_n (previous kernel), fp32 partials",
+                dict(partial_dtype="float32", options=O(form="rows_n"))))
+    out.append((cell, "rows_m, fp32 partials", dict(partial_dtype="float32", options=O(form="rows_m"))))
   out += [(goal, "probe: no loads", dict(options=O(probe="noload"))),
           (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
           (goal, "probe: no P V", dict(options=O(probe="nopv"))),
@@ -383,12 +388,49 @@ def is_variant(r):
           or r.get("partial_dtype", "auto") != "auto")
 
 
+RUN_KEYS = ("device", "jax", "python", "stream_GBps", "matmul_TFLOPs", "command", "seconds")
+
+
+def cell_of(r):
+  return (r["heads"], r["batch"], r["cached"], r["q_len"])
+
+
+def load_runs(paths):
+  """(runs, rows) of earlier result files (``--resume``): their default-configuration cells, each
+  tagged with its run (an index into runs), the latest file's row winning where cells repeat."""
+  runs, by_cell = [], {}
+  for path in paths:
+    old = json.loads(Path(path).read_text())
+    offset = len(runs)
+    runs += old.get("runs") or [{k: old[k] for k in RUN_KEYS if k in old}]
+    dropped = 0
+    for r in old["rows"]:
+      # Failed cells are timed again; variants (and rows written before partial_dtype="auto",
+      # whose default was "float32") are not the default configuration.
+      if "error" not in r and not is_variant(r):
+        by_cell[cell_of(r)] = dict(r, run=offset + r.get("run", 0))
+      else:
+        dropped += 1
+    if dropped:
+      print(f"--resume {path}: {dropped} rows not carried over (failed, or not the default "
+            f"configuration)", flush=True)
+  return runs, list(by_cell.values())
+
+
 def markdown(results):
   lines = [f"# Tree-verify attention (MLA, R=512, P=64, bf16) on {results['device']}", ""]
-  lines.append(f"Ceilings measured in the same run: read-only stream {results['stream_GBps']:.0f} GB/s, "
-               f"bf16 matmul {results['matmul_TFLOPs']:.0f} TFLOP/s. Roofline = max(bytes / stream, "
-               f"flops / matmul). Times: median per-call GPU time (CUPTI: the sum of the call's "
-               f"kernels, launch gaps excluded).")
+  runs = results.get("runs") or []
+  if len(runs) > 1:
+    lines.append("Cells from several runs (`--resume`), each against the ceilings of its own run "
+                 "(column *run*): " + "; ".join(
+                     f"run {i}: stream {run['stream_GBps']:.0f} GB/s, matmul "
+                     f"{run['matmul_TFLOPs']:.0f} TFLOP/s, `{run['command']}`"
+                     for i, run in enumerate(runs)) + ".")
+  else:
+    lines.append(f"Ceilings measured in the same run: read-only stream {results['stream_GBps']:.0f} GB/s, "
+                 f"bf16 matmul {results['matmul_TFLOPs']:.0f} TFLOP/s.")
+  lines.append("Roofline = max(bytes / stream, flops / matmul). Times: median per-call GPU time "
+               "(CUPTI: the sum of the call's kernels, launch gaps excluded).")
   lines += ["", "Columns:", "",
             "- *time us* (whole call): `mla_tree_attention(...)` alone: the window-metadata fusion, "
             "the attention kernel and the merge (by default one Mosaic GPU kernel; the XLA merge, "
@@ -401,10 +443,12 @@ def markdown(results):
             "- *reference us*: the plain-jnp reference, whole call (it has nothing to hoist). "
             "*speedup* = reference / time; *speedup (layer)* = reference / layer.",
             "- *roofline frac* = roofline / time (whole call).", ""]
-  lines.append("| heads | batch | cached | q_len | tiles x splits | time us | layer us | kernel us | "
+  run_col = len(runs) > 1
+  lines.append(("| run " if run_col else "") +
+               "| heads | batch | cached | q_len | tiles x splits | time us | layer us | kernel us | "
                "meta us | roofline us | roofline frac | TB/s | TFLOP/s | reference us | speedup | "
                "speedup (layer) | decode attn us | max err |")
-  lines.append("| --- " * 18 + "|")
+  lines.append("| --- " * (18 + run_col) + "|")
   for r in sorted(results["rows"], key=lambda r: (r["heads"], r["batch"], r["cached"], r["q_len"])):
     if is_variant(r) or "error" in r:
       continue
@@ -415,6 +459,7 @@ def markdown(results):
     da = f"{r['decode_attention_us']:.1f}" if r.get("decode_attention_us") else "-"
     err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
     lines.append(
+        (f"| {r.get('run', 0)} " if run_col else "") +
         f"| {r['heads']} | {r['batch']} | {r['cached'] // 1024}k | {r['q_len']} | "
         f"{r['row_tiles']}x{r['splits']} | {r['time_us']:.1f} | {r['layer_us']:.1f} | "
         f"{r['kernel_us']:.1f} | {r['meta_us']:.1f} | "
@@ -445,7 +490,8 @@ def markdown(results):
         f"- heads {r['heads']} batch {r['batch']} cached {r['cached']} q_len {r['q_len']}: {r['error']}"
         for r in errors]
   if results.get("skipped"):
-    lines += ["", f"Skipped for time: {len(results['skipped'])} cells: " +
+    what = "Not timed in any run yet" if run_col else "Skipped for time"
+    lines += ["", f"{what}: {len(results['skipped'])} cells: " +
               ", ".join(f"h{h}/b{b}/{c // 1024}k/q{q}" for h, b, c, q in results["skipped"])]
   text = variants_markdown(results)
   if text:
@@ -453,7 +499,10 @@ def markdown(results):
   if results.get("skipped_variants"):
     lines += ["", "Variants skipped for time: " + ", ".join(
         f"h{h}/b{b}/{c // 1024}k/q{q} {label}" for (h, b, c, q), label in results["skipped_variants"])]
-  lines += ["", f"Command: `{results['command']}`", ""]
+  if not run_col:
+    lines += ["", f"Command: `{results['command']}`", ""]
+  else:
+    lines += ["", f"Combined by `{results.get('combined_by', results['command'])}`.", ""]
   return "\n".join(lines)
 
 
@@ -476,17 +525,34 @@ def main():
   parser.add_argument("--variant-match", nargs="+", default=[],
                       help="only the variants whose label contains one of these strings")
   parser.add_argument("--name", default="bench_tree_attention")
+  parser.add_argument("--resume", type=Path, nargs="+", default=[],
+                      help="earlier result JSONs whose cells are kept and not timed again")
+  parser.add_argument("--render-only", action="store_true",
+                      help="with --resume: write the combined JSON and markdown, time nothing")
   args = parser.parse_args()
   start = args.start = time.perf_counter()
+  runs, kept = load_runs(args.resume)
+  if args.render_only:
+    if not runs:
+      parser.error("--render-only needs --resume")
+    results = dict(runs[-1], runs=runs, rows=kept, skipped=[c for c in cells(args) if c not in
+                                                         {cell_of(r) for r in kept}],
+                   variants=[], skipped_variants=[],
+                   combined_by="python3 " + " ".join(sys.argv))
+    write(args, results)
+    return
   bandwidth, peak = ceilings()
   print(f"stream {bandwidth / 1e9:.0f} GB/s, matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__,
              "python": platform.python_version(), "stream_GBps": bandwidth / 1e9,
              "matmul_TFLOPs": peak / 1e12, "command": "python3 " + " ".join(sys.argv),
-             "rows": [], "skipped": [], "variants": [], "skipped_variants": []}
+             "rows": kept, "skipped": [], "variants": [], "skipped_variants": []}
+  if runs:
+    results["runs"] = runs + [{k: results[k] for k in RUN_KEYS if k in results}]
+  this_run = len(runs)
   max_cached = max(args.cached)
   pools = {}
-  todo = cells(args)
+  todo = [c for c in cells(args) if c not in {cell_of(r) for r in kept}]
   for i, (heads, batch, cached, q_len) in enumerate(todo):
     if time.perf_counter() - start > args.budget_s:
       results["skipped"] = todo[i:]
@@ -506,6 +572,7 @@ def main():
       traceback.print_exc()
       row = dict(heads=heads, batch=batch, cached=cached, q_len=q_len,
                  error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    row["run"] = this_run
     results["rows"].append(row)
     msg = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
            if k in ("heads", "batch", "cached", "q_len", "time_us", "layer_us", "kernel_us",
@@ -523,6 +590,12 @@ def main():
   if args.variants:
     run_variants(args, bandwidth, peak, results)
   results["seconds"] = time.perf_counter() - start
+  if runs:
+    results["runs"][-1]["seconds"] = results["seconds"]
+  write(args, results)
+
+
+def write(args, results):
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
   (args.out / f"{args.name}.md").write_text(markdown(results))
@@ -549,7 +622,9 @@ def plot(results, path):
     ax.set_title(f"{heads} heads")
     ax.set_xlabel("q_len")
   axes[0].set_ylabel("fraction of roofline")
-  axes[1].legend(fontsize=7, ncol=3)
+  for ax in axes:
+    if ax.lines:
+      ax.legend(fontsize=7, ncol=3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 

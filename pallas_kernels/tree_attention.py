@@ -55,11 +55,13 @@ Layout of the work (why it is shaped this way):
     still fills the GPU; tiles past a request's length are never read. The split count minimises
     waves x tiles per CTA, so batch 8 with long trees runs several waves rather than one split per
     request. Each split writes a normalised partial output, as ``O`` ([rows, Dv], through a
-    transposed view and the transposed WGMMA register layout), and its base-2 log-sum-exp. One
+    transposed view and the transposed WGMMA register layout; in "rows_m" with bf16 queries, by
+    default, bf16 staged in the idle query tile and stored by one TMA copy, ``Options.epilogue``),
+    and its base-2 log-sum-exp. One
     Mosaic GPU kernel merges them where it was timed faster (``_merge_kernel``: one CTA per real
     output row and block of 256 columns reads that block of every split with one TMA box and
-    writes the final float32 block; ``Options.merge="auto"`` takes it for fp32 partials and
-    64..512 merged rows in all, else the XLA merge, "pairwise": split weights, then one
+    writes the final float32 block; ``Options.merge="auto"`` takes it for 64..512 merged rows in
+    all of fp32 partials and 64..520 of bf16, else the XLA merge, "pairwise": split weights, then one
     weighted-sum reduction, two kernels; "kernel" forces it wherever one block of every split
     fits a CTA's shared memory). H200, b1/32k/q17, same run, per layer: 35.5-35.6 us with the
     merge kernel (3.49 us of it; 4.06 with one CTA per whole row, the first design) against 37.9
@@ -93,7 +95,14 @@ Layout of the work (why it is shaped this way):
     to global memory (bf16 partials stored that way were slower still). Since then the default
     (``Options.epilogue="auto"`` with ``partial_dtype="auto"``, bf16 queries) stages bf16
     partials in the query tile for one TMA store: kernel 29.8 us, per layer with the merge
-    kernel 33.0 us (``bench_tree_attention_epilogue.md``).
+    kernel 33.0 us (``bench_tree_attention_epilogue.md``). An estimate, not profiled: per
+    64-column KV tile the wgmma operands read from shared memory are Q and K for S (73.7 KB
+    each: Q is re-read for every tile, as no warpgroup has the 144 registers a thread to keep it)
+    and V (with P) for the two halves of O (~72 KB), beside the tile's 73.7 KB TMA write: ~290 KB
+    at 128 bytes a clock is ~1.2 us a tile, ~14 us for the goal cell's 12 tiles even with the
+    softmax fully hidden, before the prologue, the stores and the 3 us merge, against a 11.7 us
+    roofline (70% of it: 16.7 us). This tiling cannot reach the 70% goal there; the kernel takes
+    ~2.2 us a tile.
   * What limits "rows_n" (H200, Kimi widths, b1/32k/q17; ``bench_tree_attention.md``): compute,
     not the KV stream. The kernel takes 34.8 us, 33.4 with the loads left out, 17.3 with the compute
     left out and 27.6 with the softmax left out, i.e. about 2.2 us of wgmma work per 64-column
@@ -197,7 +206,8 @@ class Options:
     two warpgroups owning half of Dv; ``_kernel_rows_m``); "auto": "rows_m" where it applies (Dv
     a multiple of 128, at most 512) and a group has at least ``rows_m_min`` rows, else "rows_n".
   rows_m_min: rows per group (q_len x heads per group) from which "auto" takes "rows_m".
-  merge_columns: output columns per merge-kernel CTA (0: ``MERGE_COLUMNS``; see ``_merge_kernel``).
+  merge_columns: output columns per merge-kernel CTA, 0 (``MERGE_COLUMNS``) or a multiple of 128
+    (see ``_merge_columns``).
   epilogue: how "rows_m" writes each split's partial output. "registers": every thread stores its
     WGMMA fragments straight to global memory. "smem" (bf16 partials, query width = Dv): each
     compute warpgroup writes its half of O into the query tile's first part, idle once warpgroup
@@ -298,8 +308,9 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown probe {options.probe!r}")
   if options.epilogue not in ("auto", "registers", "smem"):
     raise ValueError(f"unknown epilogue {options.epilogue!r}")
-  if options.merge_columns < 0:
-    raise ValueError(f"merge_columns must be 0 (default) or positive, got {options.merge_columns}")
+  if options.merge_columns < 0 or options.merge_columns % 128:
+    raise ValueError(f"merge_columns must be 0 (default) or a multiple of 128 (the merge kernel's "
+                     f"column blocks), got {options.merge_columns}")
   if options.pv not in ("auto", "value_wg", "split"):
     raise ValueError(f"unknown pv {options.pv!r}")
   if options.merge not in ("auto", "pairwise", "two_pass", "kernel"):
@@ -425,12 +436,15 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
   epilogue = options.epilogue
   if epilogue == "auto":
     epilogue = "smem" if stageable else "registers"
-    if auto_partials and not stageable:
-      partial_dtype = "float32"
   elif epilogue == "smem" and not stageable:
-    return fail("epilogue='smem' stages O in the query tile's first part: it needs "
-                f"partial_dtype='bfloat16' (got {partial_dtype!r}) and that part as wide as the "
-                f"values (got {key_dims[0]} and {value_dim})")
+    if key_dims[0] != value_dim:
+      why = f"its first part as wide as the values (got {key_dims[0]} and {value_dim})"
+    else:
+      why = (f"partial_dtype='bfloat16' (got {partial_dtype!r}"
+             + (", what 'auto' gives for queries that are not bf16)" if auto_partials else ")"))
+    return fail(f"epilogue='smem' stages O in the query tile: it needs {why}")
+  if auto_partials and epilogue != "smem":
+    partial_dtype = "float32"  # bf16 partials stored from registers were the slowest timed
   swizzle = _swizzle_for(*key_dims, value_dim, BLOCK_KV)
   if swizzle is None:
     return fail(f"feature widths {key_dims}, {value_dim} are not multiples of 16")
@@ -1142,10 +1156,12 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
   if cache_len < 1:
     raise ValueError(f"{name}: cache_len must be positive, got {cache_len}")
   padded_len = _padded_cache_len(cache_len)
+  # The row tiles do not depend on the partial dtype; "auto" is planned as for bf16 queries so
+  # that options which need bf16 partials (epilogue="smem") are accepted as the call accepts them.
   pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=batch * num_groups,
              key_dims=key_dims, value_dim=value_dim, shared_value=shared_value,
              cache_len=padded_len, num_splits=num_splits, partial_dtype=partial_dtype,
-             rows_per_tile=rows_per_tile, options=options)
+             rows_per_tile=rows_per_tile, options=options, query_dtype=jnp.bfloat16)
   meta = _window_meta(slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                       q_len=q_len, cache_len=padded_len, heads_per_group=heads_per_group,
                       num_groups=num_groups, n_rt=pl_.num_row_tiles,

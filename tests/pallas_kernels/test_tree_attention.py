@@ -208,11 +208,18 @@ def test_merge_kernel_lowers_for_cuda_wherever_it_fits(dtype):
   # Mosaic GPU's layout inference on the H200 (MHA with D=64). Lowering for CUDA runs that
   # inference on the CPU; every width _merge_kernel_fits accepts must pass it.
   sds = jax.ShapeDtypeStruct
-  for dv, columns in [(128, 0), (384, 0), (512, 0), (512, 128), (640, 512), (1024, 512)]:
-    o, lse = sds((2, 5, 2, 64, dv), dtype), sds((2, 5, 2, 64), jnp.float32)
-    assert ta._merge_kernel_fits(o.shape, lse.shape, columns, jnp.dtype(dtype).itemsize)
-    merge = functools.partial(ta._merge_kernel, rows=100, columns=columns)
-    jax.jit(merge).trace(o, lse).lower(lowering_platforms=("cuda",))
+  shapes = set()  # (columns per CTA, columns per TMA box row): what the kernel's code depends on
+  for dv in range(128, 2049, 128):
+    for columns in (0, 128, 256, 384, 512, 640, 768, 1024, 4096):
+      o, lse = sds((2, 5, 2, 64, dv), dtype), sds((2, 5, 2, 64), jnp.float32)
+      assert ta._merge_kernel_fits(o.shape, lse.shape, columns, jnp.dtype(dtype).itemsize)
+      cols = ta._merge_columns(dv, columns)
+      shape = (cols, ta._merge_chunk(dv, cols, jnp.dtype(dtype).itemsize))
+      if shape not in shapes:
+        shapes.add(shape)
+        merge = functools.partial(ta._merge_kernel, rows=100, columns=columns)
+        jax.jit(merge).trace(o, lse).lower(lowering_platforms=("cuda",))
+  assert len(shapes) >= 16  # blocks of 128 to 2048 columns, boxes of 128 or 256
 
 
 def test_merge_kernel_reads_bf16_partials_as_stored():
@@ -330,11 +337,12 @@ def test_mla_bf16_partial_outputs():
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
 
 
-@pytest.mark.parametrize("form", ["rows_n", "auto"])
+@pytest.mark.parametrize("form", ["rows_n", "auto", "rows_m"])
 def test_mla_kimi_widths_bf16_inputs(form):
   # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree:
   # 136 rows in 3 tiles of 48 ("rows_n", fp32 partials) or of 64 (the default: "rows_m", 2 KV
-  # stages, one P buffer, bf16 partials staged in the query tile and stored by TMA).
+  # stages, one P buffer, bf16 partials staged in the query tile and stored by TMA; "rows_m" here
+  # with fp32 partials from registers, the previous default, at the tighter tolerance).
   if form == "auto":
     pl_ = ta.plan(q_len=17, heads_per_group=8, num_work=2, key_dims=(512, 64), value_dim=512,
                   shared_value=True, cache_len=136, num_splits=2, query_dtype=jnp.bfloat16)
@@ -344,6 +352,10 @@ def test_mla_kimi_widths_bf16_inputs(form):
                              num_splits=2, dtype=jnp.bfloat16, options=ta.Options(form=form),
                              partial_dtype="auto" if form == "auto" else "float32")
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS if form == "auto" else ATOL)
+  if form == "rows_m":
+    assert ta.plan(q_len=17, heads_per_group=8, num_work=2, key_dims=(512, 64), value_dim=512,
+                   shared_value=True, cache_len=136, num_splits=2, partial_dtype="float32",
+                   options=ta.Options(form="rows_m")).options.epilogue == "registers"
 
 
 @pytest.mark.parametrize("epilogue,partial_dtype", [("registers", "float32"), ("smem", "bfloat16")])
@@ -393,8 +405,9 @@ def test_staged_epilogue_and_probe_are_never_silently_ignored():
     ta.plan(**kw, options=ta.Options(epilogue="tma"))
   with pytest.raises(ValueError, match="partial_dtype must be"):
     ta.plan(**kw, partial_dtype="float16")
-  with pytest.raises(ValueError, match="merge_columns"):
-    ta.plan(**kw, options=ta.Options(merge_columns=-5))
+  for columns in (-5, 64, 200):  # the merge kernel's blocks are multiples of 128 columns
+    with pytest.raises(ValueError, match="merge_columns"):
+      ta.plan(**kw, options=ta.Options(merge_columns=columns))
 
 
 @pytest.mark.parametrize("query_dtype,q_len,key_dims,value_dim,want", [
@@ -420,6 +433,25 @@ def test_auto_partials_and_epilogue(query_dtype, q_len, key_dims, value_dim, wan
                      partial_dtype="float32")
   assert (auto.rows_per_tile, auto.num_row_tiles, auto.num_splits) == (
       explicit.rows_per_tile, explicit.num_row_tiles, explicit.num_splits)
+  # "auto" partials with the register epilogue asked for: float32 (bf16 stored from registers was
+  # the slowest timed).
+  registers = ta.plan(**dict(kw, options=dataclasses.replace(kw.get("options", ta.Options()),
+                                                              epilogue="registers")),
+                      query_dtype=query_dtype)
+  assert (registers.partial_dtype, registers.options.epilogue) == ("float32", "registers")
+
+
+def test_window_meta_prepared_for_auto_partials_serves_the_staged_epilogue():
+  # prepare_mla_window does not know the queries' dtype; with "auto" it must accept what a bf16
+  # call accepts (epilogue="smem") and build the same metadata as for the default epilogue.
+  window = random_window(np.random.default_rng(4), 2, 17, 300)
+  kw = dict(heads=8, latent_dim=512, rope_dim=64, cache_len=300)
+  staged = ta.prepare_mla_window(*window, **kw, options=ta.Options(epilogue="smem"))
+  default = ta.prepare_mla_window(*window, **kw)
+  assert staged.layout == default.layout
+  np.testing.assert_array_equal(np.asarray(staged.meta), np.asarray(default.meta))
+  with pytest.raises(ValueError, match="partial_dtype='bfloat16' \\(got 'float32'\\)"):
+    ta.prepare_mla_window(*window, **kw, partial_dtype="float32", options=ta.Options(epilogue="smem"))
 
 
 def test_mla_demo_widths_full_budget():

@@ -69,6 +69,15 @@ def test_mla_kimi_widths_match_reference(q_len):
                  atol=default_atol(batch=3, q_len=q_len, heads=8, cache_len=3001 + q_len))
 
 
+@pytest.mark.parametrize("q_len", [17, 33, 65])
+def test_mla_kimi_widths_fp32_partials(q_len):
+  # "rows_m" with fp32 partials from registers (what fp32 queries take; the default before the
+  # staged bf16 epilogue) at the tighter tolerance, which a wrong mask bit exceeds more surely.
+  got, want, valid = mla_case(q_len + 50, batch=3, q_len=q_len, heads=8, latent=512, rope=64,
+                              cache_len=3001 + q_len, partial_dtype="float32")
+  assert_matches(got, want, valid, atol=ATOL)
+
+
 @pytest.mark.parametrize("num_splits", [1, 5, 64])
 def test_mla_split_counts_and_64_heads(num_splits):
   got, want, valid = mla_case(100 + num_splits, batch=2, q_len=9, heads=64, latent=512, rope=64,
@@ -81,13 +90,14 @@ def test_mla_split_counts_and_64_heads(num_splits):
 def test_mla_staged_epilogue_at_kimi_widths(q_len, num_splits):
   # bf16 partials staged in the query tile and stored by TMA (Options.epilogue="smem"), against
   # the reference and bit for bit against the same bf16 partials stored from registers (both
-  # merged by XLA: "auto" takes the merge kernel for fp32 partials only).
+  # merged by XLA; q65 with one split has no merge).
   kw = dict(batch=2, q_len=q_len, heads=8, latent=512, rope=64, cache_len=4000 + q_len,
             num_splits=num_splits, partial_dtype="bfloat16")
-  got, want, valid = mla_case(q_len + 300, options=ta.Options(form="rows_m", epilogue="smem"), **kw)
+  got, want, valid = mla_case(q_len + 300, **kw,
+                              options=ta.Options(form="rows_m", epilogue="smem", merge="pairwise"))
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
-  registers, _, _ = mla_case(q_len + 300, options=ta.Options(form="rows_m", epilogue="registers"),
-                             **kw)
+  registers, _, _ = mla_case(q_len + 300, **kw, options=ta.Options(form="rows_m", epilogue="registers",
+                                                                  merge="pairwise"))
   np.testing.assert_array_equal(got, registers)
   # The merge kernel reading the bf16 partials as stored, against the XLA merge of the same.
   merged, _, _ = mla_case(q_len + 300, **kw,
