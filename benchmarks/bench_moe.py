@@ -8,6 +8,9 @@ routing over the 384 experts (the 48-expert share computes the rows routed to ex
 row buffer keeps the static size 8T, the rest is padding). Timed side by side in the same run:
 
 * ``pallas`` bf16 and INT4 (``pallas_kernels/moe.py``): reads only the touched experts;
+  ``pallas_rows`` the same with the work list built from the sorted rows' experts where 8T <= E
+  (``moe.work_list_from_rows``; the ids are built outside the timed step, as the model's sort has
+  them), against the [E, E] prefix fusion of the default;
 * ``ragged_dot``: ``models.kimi.routed_experts`` (``jax.lax.ragged_dot``), bf16;
 * ``ragged_dot_mgpu``: jax's Pallas Mosaic GPU ragged dot (block 64 x 256 x 64, 4 stages) for
   each projection with the SwiGLU in XLA, bf16.
@@ -216,9 +219,31 @@ IMPLS = {
     "pallas_item_minor": lambda x, g, w: moe.moe_experts(
         x, g, w, expected_rows=expected_rows(x, g),
         tiles=dataclasses.replace(moe.default_tiles(w), grid_order="item_minor")),
+    # The work list from each sorted row's expert (``moe.work_list_from_rows``; where A <= E):
+    # its "g" is (group_sizes, sorted expert ids), ids the model's sort has (``with_row_ids``).
+    "pallas_rows": lambda x, g, w: moe.moe_experts(x, g[0], w, expected_rows=expected_rows(x, g[0]),
+                                                   sorted_expert_ids=g[1]),
     "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
     "ragged_dot_mgpu": ragged_dot_mgpu_layer,
 }
+
+
+ROW_ID_IMPLS = ("pallas_rows",)
+
+
+def with_row_ids(impl, sets):
+  """The routings as ``impl`` takes them: for ``ROW_ID_IMPLS`` each group_sizes paired with the
+  sorted rows' experts (E for padding rows), built here outside the timed step, as the model's
+  sort has them at no extra cost."""
+  if impl not in ROW_ID_IMPLS:
+    return sets
+  out = []
+  for x, g, touched in sets:
+    sizes = np.asarray(g)
+    ids = np.concatenate([np.repeat(np.arange(len(sizes)), sizes),
+                          np.full(x.shape[0] - int(sizes.sum()), len(sizes))]).astype(np.int32)
+    out.append((x, (g, jnp.asarray(ids)), touched))
+  return out
 
 
 def weight_bytes(fmt, experts_touched):
@@ -238,7 +263,8 @@ def run(args, out: Path):
   for e in args.experts:
     for t in args.tokens:
       for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "pallas_item_minor"),
-                        ("int4", "pallas_item_minor"), ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
+                        ("int4", "pallas_item_minor"), ("bf16", "pallas_rows"), ("int4", "pallas_rows"),
+                        ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
         mgpu_here = e != args.experts[0] or not args.mgpu_tokens or t in args.mgpu_tokens
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
@@ -249,7 +275,7 @@ def run(args, out: Path):
 
   def lower(cell):
     e, t, fmt, impl = cell
-    sets = data[(e, t)]
+    sets = with_row_ids(impl, data[(e, t)])
     return in_step(IMPLS[impl]).lower([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
 
   compiled = compile_cells(cells, lower, args.compile_threads, serial=lambda cell: cell[3] == "ragged_dot")
@@ -283,7 +309,7 @@ def run(args, out: Path):
     e, t, fmt, impl = cell
     row = {"experts": e, "tokens": t, "format": fmt, "impl": impl}
     fn = compiled[cell]
-    sets = data[(e, t)]
+    sets = with_row_ids(impl, data[(e, t)])
     touched = statistics.mean(s[2] for s in sets)
     row["distinct_experts"] = touched
     row["roofline_us"] = weight_bytes(fmt, touched) / stream * 1e6
@@ -383,6 +409,15 @@ def markdown(result) -> str:
       lines.append(f"{fmt} with `grid_order=\"item_minor\"` (GPU us, and against the default): " + ", ".join(
           f"E={r['experts']} T={r['tokens']} {r['device_us']:.0f}"
           + (f" ({r['device_us'] / d['device_us']:.2f}x)" if d and "device_us" in d else "") for r, d in pairs) + ".")
+  for fmt in ("bf16", "int4"):
+    pairs = [(r, by.get((r["experts"], r["tokens"], fmt, "pallas"))) for r in result["rows"]
+             if r["impl"] == "pallas_rows" and r["format"] == fmt and "device_us" in r]
+    if pairs:
+      lines.append(f"{fmt} with the work list from the sorted rows' experts (`pallas_rows`, where 8T <= E; "
+                   f"GPU us, of roofline, and against the default): " + ", ".join(
+                       f"E={r['experts']} T={r['tokens']} {r['device_us']:.0f} ({r['device_roofline_fraction']:.0%}"
+                       + (f", {r['device_us'] / d['device_us']:.2f}x" if d and "device_us" in d else "") + ")"
+                       for r, d in pairs) + ".")
   for impl, what in (("pallas_registers", "with both weights' MMAs in flight"),
                      ("pallas_serial", "draining the MMAs after each weight's tile")):
     rows = [r for r in result["rows"] if r["impl"] == impl and "time_us" in r]

@@ -179,6 +179,56 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
                   routed=rows[:, 0] < jnp.sum(sizes))
 
 
+def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) -> WorkList:
+  """``work_list`` from each sorted row's expert instead of the experts' row counts.
+
+  The same ``WorkList``, field for field, for ``sorted_expert_ids`` int[A] in ascending order
+  (an id of ``num_experts`` or more marks a padding row; those sort last), i.e. for group_sizes =
+  its counts of each id below E. Here the experts are the runs of equal ids, so the prefix sums
+  are masked sums over [A, A] and the item picks over [W, A], not [E, E] and [W, E]: cheaper
+  where a step routes fewer rows than there are experts (decoding and small trees: 8 rows a token
+  against 384 experts). The caller's sort has these ids already (``models/kimi.py``).
+  """
+  ids = sorted_expert_ids.astype(jnp.int32)
+  a = ids.shape[0]
+  r = block_rows
+  w_max = max_work_items(num_experts, a, r)
+  last_window = padded_rows(a, r) - r
+  rows = jnp.arange(a, dtype=jnp.int32)
+  routed = ids < num_experts
+  # Row a's run of equal ids (its expert's rows): [row_start, row_end).
+  row_start = jnp.sum(ids[None, :] < ids[:, None], axis=1, dtype=jnp.int32)
+  row_end = jnp.sum(ids[None, :] <= ids[:, None], axis=1, dtype=jnp.int32)
+  first = routed & (rows == row_start)  # one row per touched expert: its run's first
+  run_slots = jnp.where(routed, (row_end - row_start + ROW_ALIGN - 1 + r - 1) // r, 0)
+  # Item slots of the runs before row a's run (as work_list's slot_start of a's expert).
+  earlier = first[None, :] & (rows[None, :] < row_start[:, None])  # [A, A']
+  slot_start = jnp.sum(jnp.where(earlier, run_slots[None, :], 0), axis=1)
+  slot_end = slot_start + run_slots
+  base = row_start - row_start % ROW_ALIGN
+
+  def pick(member, values):  # the one run's value where member[:, a] holds, else 0
+    return jnp.sum(jnp.where(member, values, 0), axis=1)
+
+  items = jnp.arange(w_max, dtype=jnp.int32)[:, None]
+  window = base[None, :] + (items - slot_start[None, :]) * r  # [W, A]
+  member = (first[None, :] & (slot_start[None, :] <= items) & (items < slot_end[None, :])
+            & (window < row_end[None, :]))
+  live = jnp.any(member, axis=1)
+  window = pick(member, window)
+  first_row = jnp.maximum(pick(member, row_start[None, :]), window)
+  last_row = jnp.minimum(pick(member, row_end[None, :]), window + r)
+  slot = (rows - base) // r
+  row_window = base + slot * r
+  column = (slot_start + slot) * r + rows - jnp.minimum(row_window, last_window)
+  return WorkList(expert=jnp.where(live, pick(member, ids[None, :]), -1),
+                  first_row=jnp.where(live, first_row, 0),
+                  num_rows=jnp.where(live, last_row - first_row, 0),
+                  block_start=jnp.where(live, jnp.minimum(window, last_window), 0),
+                  row_column=jnp.where(routed, column, 0),
+                  routed=routed)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
@@ -566,11 +616,26 @@ def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expec
   return r, dequant
 
 
+def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> WorkList:
+  """The work list from the row ids where given and there are no more rows than experts (the
+  [A, A] form is then the smaller), else from group_sizes; both give the same list."""
+  e = group_sizes.shape[0]
+  if sorted_expert_ids is None:
+    return work_list(group_sizes, num_rows, block_rows)
+  if (sorted_expert_ids.shape != (num_rows,)
+      or not jnp.issubdtype(sorted_expert_ids.dtype, jnp.integer)):
+    raise ValueError(f"sorted_expert_ids must be an integer vector [A={num_rows}] (each sorted row's "
+                     f"expert), got {sorted_expert_ids.dtype}{list(sorted_expert_ids.shape)}")
+  if num_rows <= e:
+    return work_list_from_rows(sorted_expert_ids, e, block_rows)
+  return work_list(group_sizes, num_rows, block_rows)
+
+
 def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                 count_tile_loads):
+                 count_tile_loads, sorted_expert_ids=None):
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
-  work = work_list(group_sizes, a, r)
+  work = _work(group_sizes, sorted_expert_ids, a, r)
   if padded_rows(a, r) > a:  # the kernel loads R-row blocks at 8-aligned starts
     x_sorted = jnp.pad(x_sorted, ((0, padded_rows(a, r) - a), (0, 0)))
   outs = _expert_projections(x_sorted, work, experts, r, dequant, tiles, interpret, count_tile_loads)
@@ -587,7 +652,7 @@ STATIC_OPTIONS = ("block_rows", "int4_dequant", "expected_rows", "tiles", "inter
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
 def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                 int4_dequant: str | None = None, expected_rows: int | None = None,
-                tiles: KernelTiles | None = None, interpret=None):
+                tiles: KernelTiles | None = None, interpret=None, sorted_expert_ids=None):
   """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
 
   Args:
@@ -608,11 +673,16 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       A x E / all experts): it sets the defaults of ``block_rows`` and ``int4_dequant``.
     tiles: ``KernelTiles`` (static); default ``default_tiles`` (tuned on the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
+    sorted_expert_ids: optional int[A], each sorted row's expert (E or more for padding rows), as
+      the caller's sort has them, consistent with ``group_sizes``. Where A <= E the work list is
+      then built from them (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
+      list, so the same result). Not yet timed on the GPU against the group_sizes form; the
+      model does not pass them yet.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      False)
+                      False, sorted_expert_ids)
 
 
 def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, tiles, interpret,
@@ -634,7 +704,8 @@ def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, 
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
 def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                                 int4_dequant: str | None = None, expected_rows: int | None = None,
-                                tiles: KernelTiles | None = None, interpret=None):
+                                tiles: KernelTiles | None = None, interpret=None,
+                                sorted_expert_ids=None):
   """``moe_experts`` plus the weight tiles each program loaded (the structural check).
 
   Returns:
@@ -643,7 +714,7 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
     tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      True)
+                      True, sorted_expert_ids)
 
 
 def reference_experts(x_sorted, group_sizes, experts):

@@ -210,6 +210,57 @@ def test_work_list_against_a_loop():
     assert len(expected_slots(sizes, 16, num_rows)) <= moe.max_work_items(10, num_rows, 16)
 
 
+@pytest.mark.parametrize("num_experts,num_rows,block_rows", [
+    (6, 14, 16), (40, 24, 16), (24, 96, 32), (384, 8, 16), (48, 72, 64), (1, 9, 16), (10, 77, 16),
+    (2, 40, 16)])
+def test_work_list_from_rows_equals_work_list(num_experts, num_rows, block_rows):
+  # Field for field the same list from each sorted row's expert as from the experts' row counts:
+  # random, clustered, single-expert and empty routings, padding ids of E and above.
+  from_sizes = jax.jit(moe.work_list, static_argnums=(1, 2))
+  from_rows = jax.jit(moe.work_list_from_rows, static_argnums=(1, 2))
+  rng = np.random.default_rng(num_experts * 1000 + num_rows)
+  for trial in range(10):
+    # Some routings fill every row, so that windows near the end are moved back (last_window).
+    routed = (0, num_rows)[trial % 2] if trial % 5 == 0 else int(rng.integers(0, num_rows + 1))
+    if num_experts == 10 and trial == 0:  # test_work_list_against_a_loop's: last window moved back
+      sizes, routed = np.array([0, 40, 0, 0, 16, 5, 0, 9, 2, 3]), 75
+    elif num_experts == 2 and trial == 0:  # rows 32..36 of expert 1 (from 21) in a moved-back window
+      sizes, routed = np.array([21, 19]), 40
+    elif trial % 3 == 1:  # all on one expert
+      sizes = np.zeros(num_experts, np.int64)
+      sizes[rng.integers(num_experts)] = routed
+    else:
+      sizes = rng.multinomial(routed, rng.dirichlet(np.full(num_experts, 0.3 if trial % 2 else 3.0)))
+    padding = np.full(num_rows - routed, num_experts + rng.integers(0, 3))
+    ids = np.concatenate([np.repeat(np.arange(num_experts), sizes), padding]).astype(np.int32)
+    want = from_sizes(jnp.asarray(sizes, jnp.int32), num_rows, block_rows)
+    got = from_rows(jnp.asarray(ids), num_experts, block_rows)
+    for field in moe.WorkList._fields:
+      np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
+                                    err_msg=f"{field}: routing {sizes}")
+
+
+def test_sorted_expert_ids_give_the_same_result_and_are_checked():
+  # Two tokens and a padded one, top-8 of 24 experts: A = 24 <= E, so the work list comes from
+  # the row ids; the kernels must give exactly what the group_sizes form gives.
+  rng = np.random.default_rng(21)
+  num_experts = 24
+  order, sizes = routing(rng, 2, 8, num_experts, num_padded=1)
+  ids = np.concatenate([np.repeat(np.arange(num_experts), sizes),
+                        np.full(len(order) - int(sizes.sum()), num_experts)]).astype(np.int32)
+  x = sorted_rows(rng, order, sizes, H)
+  experts = random_weights(21, num_experts=num_experts)
+  by_sizes = moe.moe_experts(x, jnp.asarray(sizes), experts, interpret=INTERPRET)
+  by_rows = moe.moe_experts(x, jnp.asarray(sizes), experts, sorted_expert_ids=jnp.asarray(ids),
+                            interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(by_rows, np.float32), np.asarray(by_sizes, np.float32))
+  assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
+  for bad in (ids[:-1], ids.astype(np.float32)):
+    with pytest.raises(ValueError, match="sorted_expert_ids"):
+      moe.moe_experts(x, jnp.asarray(sizes), experts, sorted_expert_ids=jnp.asarray(bad),
+                      interpret=INTERPRET)
+
+
 def test_default_int4_form_follows_the_expected_programs_per_sm():
   # 132 SMs off the GPU; gate/up has ceil(2048 / 64) = 32 output tiles per touched expert.
   assert moe.default_int4_dequant(384, 8, 2048) == "registers"  # T = 1: ~8 experts, 253 programs
