@@ -9,8 +9,9 @@ row buffer keeps the static size 8T, the rest is padding). Timed side by side in
 
 * ``pallas`` bf16 and INT4 (``pallas_kernels/moe.py``): reads only the touched experts;
   ``pallas_rows`` the same with the work list built from the sorted rows' experts where 8T <= E
-  (``moe.work_list_from_rows``; the ids are built outside the timed step, as the model's sort has
-  them), against the [E, E] prefix fusion of the default;
+  (``moe.work_list_from_rows``; the ids are built outside the timed step, as the model can take
+  them from its sort with one gather), against the [E, E] prefix fusion of the default; checked
+  bit-identical to ``pallas``;
 * ``ragged_dot``: ``models.kimi.routed_experts`` (``jax.lax.ragged_dot``), bf16;
 * ``ragged_dot_mgpu``: jax's Pallas Mosaic GPU ragged dot (block 64 x 256 x 64, 4 stages) for
   each projection with the SwiGLU in XLA, bf16.
@@ -233,8 +234,8 @@ ROW_ID_IMPLS = ("pallas_rows",)
 
 def with_row_ids(impl, sets):
   """The routings as ``impl`` takes them: for ``ROW_ID_IMPLS`` each group_sizes paired with the
-  sorted rows' experts (E for padding rows), built here outside the timed step, as the model's
-  sort has them at no extra cost."""
+  sorted rows' experts (E for padding rows), built here outside the timed step (the model would
+  take them from its sort: ``flat_ids[order]``, one gather of A ints)."""
   if impl not in ROW_ID_IMPLS:
     return sets
   out = []
@@ -266,6 +267,8 @@ def run(args, out: Path):
                         ("int4", "pallas_item_minor"), ("bf16", "pallas_rows"), ("int4", "pallas_rows"),
                         ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
         mgpu_here = e != args.experts[0] or not args.mgpu_tokens or t in args.mgpu_tokens
+        if impl in ROW_ID_IMPLS and TOP_K * t > e:
+          continue  # the ids are used only where A <= E; elsewhere it would re-time "pallas"
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
       for variant in ("pallas_registers", "pallas_serial"):
@@ -302,6 +305,19 @@ def run(args, out: Path):
         np.linalg.norm(got[:rows] - want[:rows]) / np.linalg.norm(want[:rows]))}
   except Exception as err:
     check = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+  # The work list from row ids must give exactly the default's output (the same list).
+  for (e, t, fmt, impl), fn in compiled.items():
+    default = compiled.get((e, t, fmt, "pallas"))
+    if impl not in ROW_ID_IMPLS or isinstance(fn, Exception) or default is None or isinstance(default, Exception):
+      continue
+    try:
+      sets = data[(e, t)]
+      a = fn(*[[s[i] for s in with_row_ids(impl, sets)] for i in (0, 1)], weights[(fmt, e)])
+      b = default([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
+      check[f"{impl} {fmt} E={e} T={t} bit-identical to pallas"] = all(
+          bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
+    except Exception as err:
+      check[f"{impl} {fmt} E={e} T={t}"] = f"{type(err).__name__}: {str(err)[:200]}"
   print(f"check: {check}", flush=True)
 
   rows_out = []
@@ -402,6 +418,10 @@ def markdown(result) -> str:
   if "rel_l2_vs_ragged_dot" in result.get("check", {}):
     lines.append(f"Check at K2.6 size: pallas bf16 vs ragged_dot relative L2 {result['check']['rel_l2_vs_ragged_dot']:.1e} "
                  f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
+  row_id_checks = {k: v for k, v in result.get("check", {}).items() if k.startswith(ROW_ID_IMPLS)}
+  if row_id_checks:
+    lines.append("Work list from row ids against the default, same routings: "
+                 + "; ".join(f"{k}: {v}" for k, v in row_id_checks.items()) + ".")
   for fmt in ("bf16", "int4"):
     pairs = [(r, by.get((r["experts"], r["tokens"], fmt, "pallas"))) for r in result["rows"]
              if r["impl"] == "pallas_item_minor" and r["format"] == fmt and "device_us" in r]

@@ -187,15 +187,18 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   its counts of each id below E. Here the experts are the runs of equal ids, so the prefix sums
   are masked sums over [A, A] and the item picks over [W, A], not [E, E] and [W, E]: cheaper
   where a step routes fewer rows than there are experts (decoding and small trees: 8 rows a token
-  against 384 experts). The caller's sort has these ids already (``models/kimi.py``).
+  against 384 experts). The caller has these ids from its sort (in ``models/kimi.py``,
+  ``flat_ids[order]``: a gather of A ints). Ids not in ascending order give an empty list (every
+  row unrouted: zeros out), never items of wrong experts or reads outside the arrays.
   """
-  ids = sorted_expert_ids.astype(jnp.int32)
+  ids = jnp.minimum(sorted_expert_ids, num_experts).astype(jnp.int32)  # padding: exactly E
   a = ids.shape[0]
   r = block_rows
   w_max = max_work_items(num_experts, a, r)
   last_window = padded_rows(a, r) - r
   rows = jnp.arange(a, dtype=jnp.int32)
-  routed = ids < num_experts
+  ascending = jnp.all(ids[1:] >= ids[:-1])
+  routed = (ids < num_experts) & ascending
   # Row a's run of equal ids (its expert's rows): [row_start, row_end).
   row_start = jnp.sum(ids[None, :] < ids[:, None], axis=1, dtype=jnp.int32)
   row_end = jnp.sum(ids[None, :] <= ids[:, None], axis=1, dtype=jnp.int32)
@@ -626,6 +629,8 @@ def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> Wor
       or not jnp.issubdtype(sorted_expert_ids.dtype, jnp.integer)):
     raise ValueError(f"sorted_expert_ids must be an integer vector [A={num_rows}] (each sorted row's "
                      f"expert), got {sorted_expert_ids.dtype}{list(sorted_expert_ids.shape)}")
+  # Where A <= E the ids alone decide the list (group_sizes gives only E); the caller keeps them
+  # consistent with group_sizes.
   if num_rows <= e:
     return work_list_from_rows(sorted_expert_ids, e, block_rows)
   return work_list(group_sizes, num_rows, block_rows)
@@ -673,11 +678,11 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       A x E / all experts): it sets the defaults of ``block_rows`` and ``int4_dequant``.
     tiles: ``KernelTiles`` (static); default ``default_tiles`` (tuned on the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
-    sorted_expert_ids: optional int[A], each sorted row's expert (E or more for padding rows), as
-      the caller's sort has them, consistent with ``group_sizes``. Where A <= E the work list is
-      then built from them (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
-      list, so the same result). Not yet timed on the GPU against the group_sizes form; the
-      model does not pass them yet.
+    sorted_expert_ids: optional int[A], each sorted row's expert in ascending order (E or more
+      for padding rows), consistent with ``group_sizes``. Where A <= E the work list is then
+      built from them alone (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
+      list, so the same result; ids out of order give zeros); elsewhere they are not used. Not
+      yet timed on the GPU against the group_sizes form; the model does not pass them yet.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """

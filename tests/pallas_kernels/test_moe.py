@@ -236,8 +236,22 @@ def test_work_list_from_rows_equals_work_list(num_experts, num_rows, block_rows)
     want = from_sizes(jnp.asarray(sizes, jnp.int32), num_rows, block_rows)
     got = from_rows(jnp.asarray(ids), num_experts, block_rows)
     for field in moe.WorkList._fields:
-      np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
-                                    err_msg=f"{field}: routing {sizes}")
+      got_field, want_field = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+      assert got_field.dtype == want_field.dtype, field
+      np.testing.assert_array_equal(got_field, want_field, err_msg=f"{field}: routing {sizes}")
+  # Padding ids of any integer type and size, mixed; ids out of order: an empty list.
+  sizes = np.zeros(num_experts, np.int64)
+  sizes[0] = min(2, num_rows)
+  want = from_sizes(jnp.asarray(sizes, jnp.int32), num_rows, block_rows)
+  padding = np.resize(np.array([num_experts, num_experts + 5, 2**32 - 1], np.uint32), num_rows - sizes[0])
+  ids = np.concatenate([np.zeros(sizes[0], np.uint32), np.sort(padding)])
+  got = from_rows(jnp.asarray(ids), num_experts, block_rows)
+  for field in moe.WorkList._fields:
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
+  if num_rows > 1 and num_experts > 1:
+    shuffled = from_rows(jnp.asarray(np.arange(num_rows, dtype=np.int32)[::-1] % num_experts),
+                         num_experts, block_rows)
+    assert not np.asarray(shuffled.routed).any() and (np.asarray(shuffled.expert) == -1).all()
 
 
 def test_sorted_expert_ids_give_the_same_result_and_are_checked():
@@ -251,8 +265,14 @@ def test_sorted_expert_ids_give_the_same_result_and_are_checked():
   x = sorted_rows(rng, order, sizes, H)
   experts = random_weights(21, num_experts=num_experts)
   by_sizes = moe.moe_experts(x, jnp.asarray(sizes), experts, interpret=INTERPRET)
-  by_rows = moe.moe_experts(x, jnp.asarray(sizes), experts, sorted_expert_ids=jnp.asarray(ids),
-                            interpret=INTERPRET)
+
+  def sizes_form_must_not_run(*args, **kwargs):
+    raise AssertionError("work_list(group_sizes) ran although the row ids were given and A <= E")
+
+  with pytest.MonkeyPatch.context() as patch:  # the unjitted body, so the patch is seen
+    patch.setattr(moe, "work_list", sizes_form_must_not_run)
+    by_rows = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET,
+                               False, jnp.asarray(ids))
   np.testing.assert_array_equal(np.asarray(by_rows, np.float32), np.asarray(by_sizes, np.float32))
   assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
   for bad in (ids[:-1], ids.astype(np.float32)):
