@@ -1278,7 +1278,8 @@ MERGE_SMEM_LIMIT = 200 * 1024  # bytes of one merge CTA's partials and log-sum-e
 # each holding up to 128 KB of partials; the XLA merge runs there until they are timed.
 MERGE_KERNEL_ROWS = (64, 512)
 # The same for bf16 partials (the staged epilogue's): timed faster than the XLA merge at 136, 264
-# and 520 rows (h8 b1 32k q17/q33/q65: 3.1 us against 7.0 at q17; ``bench_tree_attention_epilogue``).
+# and 520 rows (h8 b1 32k q17/q33/q65: 3.1 us against 6.5 per layer at q17; ``bench_tree_attention_
+# epilogue``).
 MERGE_KERNEL_ROWS_BF16 = (64, 520)
 
 
