@@ -520,6 +520,23 @@ def test_gpu_all_tokens_on_one_expert(gpu, fmt, dequant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,dequant", FORMATS)
+def test_gpu_sorted_expert_ids_give_the_same_result(gpu, fmt, dequant):
+  """The work list from the rows' experts (A = 24 <= E = 24) on the real kernels: bit for bit
+  what the group_sizes form gives, and the reference."""
+  rng = np.random.default_rng(22)
+  order, sizes = routing(rng, 2, 8, 24, num_padded=1)
+  ids = np.concatenate([np.repeat(np.arange(24), sizes), np.full(len(order) - int(sizes.sum()), 24)])
+  x = sorted_rows(rng, order, sizes, H)
+  experts = as_format(random_weights(22, num_experts=24), fmt)
+  by_sizes = moe.moe_experts(x, jnp.asarray(sizes), experts, int4_dequant=dequant)
+  by_rows = moe.moe_experts(x, jnp.asarray(sizes), experts, int4_dequant=dequant,
+                            sorted_expert_ids=jnp.asarray(ids, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(by_rows, np.float32), np.asarray(by_sizes, np.float32))
+  assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant", FORMATS)
 def test_gpu_kimi_dims(gpu, fmt, dequant):
   """K2.6's expert shapes (H 7168, I 2048: full tiles, deep pipelines) with 16 experts, top-8."""
   rng = np.random.default_rng(1)
