@@ -155,28 +155,43 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   row_end = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
   slot_start, row_start = slot_end - slots, row_end - sizes
   base = row_start - row_start % ROW_ALIGN
-
-  def pick(member, values):  # the one expert's value where member[:, e] holds, else 0
-    return jnp.sum(jnp.where(member, values, 0), axis=1)
-
-  items = jnp.arange(w_max, dtype=jnp.int32)[:, None]
-  window = base[None, :] + (items - slot_start[None, :]) * r  # [W, E]
-  member = (slot_start[None, :] <= items) & (items < slot_end[None, :]) & (window < row_end[None, :])
-  live = jnp.any(member, axis=1)
-  window = pick(member, window)
-  first_row = jnp.maximum(pick(member, row_start[None, :]), window)
-  last_row = jnp.minimum(pick(member, row_end[None, :]), window + r)
+  items = _items(experts, None, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window)
   rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
   row_member = (row_start[None, :] <= rows) & (rows < row_end[None, :])  # [A, E]
-  slot = (rows - base[None, :]) // r
-  row_window = base[None, :] + slot * r
-  column = (slot_start[None, :] + slot) * r + rows - jnp.minimum(row_window, last_window)
-  return WorkList(expert=jnp.where(live, pick(member, experts[None, :]), -1),
-                  first_row=jnp.where(live, first_row, 0),
-                  num_rows=jnp.where(live, last_row - first_row, 0),
-                  block_start=jnp.where(live, jnp.minimum(window, last_window), 0),
-                  row_column=pick(row_member, column),
-                  routed=rows[:, 0] < jnp.sum(sizes))
+  column = _row_column(rows, base[None, :], slot_start[None, :], r, last_window)
+  return WorkList(*items, row_column=_pick(row_member, column), routed=rows[:, 0] < jnp.sum(sizes))
+
+
+def _pick(member, values):
+  """[N] the one group's value where member[n, g] holds (at most one g does), else 0."""
+  return jnp.sum(jnp.where(member, values, 0), axis=1)
+
+
+def _items(expert, group_live, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window):
+  """(expert, first_row, num_rows, block_start) [W] of the work items from per-group [G] values:
+  group g (an expert with rows, or in ``work_list_from_rows`` the first row of a run where
+  ``group_live`` holds) owns item slots [slot_start, slot_end), whose windows of R rows start at
+  its 8-aligned ``base``; a slot whose window starts past the group's rows is dead (-1)."""
+  items = jnp.arange(w_max, dtype=jnp.int32)[:, None]
+  window = base[None, :] + (items - slot_start[None, :]) * r  # [W, G]
+  member = (slot_start[None, :] <= items) & (items < slot_end[None, :]) & (window < row_end[None, :])
+  if group_live is not None:
+    member = member & group_live[None, :]
+  live = jnp.any(member, axis=1)
+  window = _pick(member, window)
+  first_row = jnp.maximum(_pick(member, row_start[None, :]), window)
+  last_row = jnp.minimum(_pick(member, row_end[None, :]), window + r)
+  return (jnp.where(live, _pick(member, expert[None, :]), -1), jnp.where(live, first_row, 0),
+          jnp.where(live, last_row - first_row, 0),
+          jnp.where(live, jnp.minimum(window, last_window), 0))
+
+
+def _row_column(rows, base, slot_start, r, last_window):
+  """Each sorted row's position in the work layout, given its group's ``base`` and ``slot_start``
+  (broadcasting): its window's item slot times R plus its offset in that (moved-back) window."""
+  slot = (rows - base) // r
+  row_window = base + slot * r
+  return (slot_start + slot) * r + rows - jnp.minimum(row_window, last_window)
 
 
 def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) -> WorkList:
@@ -209,27 +224,9 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   slot_start = jnp.sum(jnp.where(earlier, run_slots[None, :], 0), axis=1)
   slot_end = slot_start + run_slots
   base = row_start - row_start % ROW_ALIGN
-
-  def pick(member, values):  # the one run's value where member[:, a] holds, else 0
-    return jnp.sum(jnp.where(member, values, 0), axis=1)
-
-  items = jnp.arange(w_max, dtype=jnp.int32)[:, None]
-  window = base[None, :] + (items - slot_start[None, :]) * r  # [W, A]
-  member = (first[None, :] & (slot_start[None, :] <= items) & (items < slot_end[None, :])
-            & (window < row_end[None, :]))
-  live = jnp.any(member, axis=1)
-  window = pick(member, window)
-  first_row = jnp.maximum(pick(member, row_start[None, :]), window)
-  last_row = jnp.minimum(pick(member, row_end[None, :]), window + r)
-  slot = (rows - base) // r
-  row_window = base + slot * r
-  column = (slot_start + slot) * r + rows - jnp.minimum(row_window, last_window)
-  return WorkList(expert=jnp.where(live, pick(member, ids[None, :]), -1),
-                  first_row=jnp.where(live, first_row, 0),
-                  num_rows=jnp.where(live, last_row - first_row, 0),
-                  block_start=jnp.where(live, jnp.minimum(window, last_window), 0),
-                  row_column=jnp.where(routed, column, 0),
-                  routed=routed)
+  items = _items(ids, first, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window)
+  column = _row_column(rows, base, slot_start, r, last_window)
+  return WorkList(*items, row_column=jnp.where(routed, column, 0), routed=routed)
 
 
 # ---------------------------------------------------------------------------------------------
