@@ -262,13 +262,16 @@ def _gpu_interpret_forced() -> bool:
   return flag is not None and flag.value is not None
 
 
-def routed_experts_pallas(x_sorted, group_sizes, experts):
+def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None):
   """``routed_experts`` through the Mosaic GPU grouped-matmul kernel (``pallas_kernels/moe.py``).
 
   Same contract, with ``experts`` an ``int4.Int4Experts`` (read packed) or an
   ``int4.Bf16Experts`` of [E, in, out] weights; reads only the touched experts' weights. GPU only
   (or under ``plgpu.force_gpu_interpret_mode``, for tests), bf16 activations (the kernel raises a
-  clear error otherwise).
+  clear error otherwise). ``sorted_expert_ids`` int[A], each sorted row's expert (E for padding),
+  lets the kernel build its work list from the rows where there are fewer rows than experts
+  (decode and small trees): the same list, 0.92x the INT4 layer's GPU time at T = 1 and 9 on the
+  H200 (``benchmarks/results/bench_moe_rows.md``).
   """
   if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
     raise RuntimeError(
@@ -278,7 +281,7 @@ def routed_experts_pallas(x_sorted, group_sizes, experts):
 
   if not isinstance(experts, int4.Int4Experts):
     experts = int4.Bf16Experts(*(w.astype(x_sorted.dtype) for w in experts))
-  return moe.moe_experts(x_sorted, group_sizes, experts)
+  return moe.moe_experts(x_sorted, group_sizes, experts, sorted_expert_ids=sorted_expert_ids)
 
 
 def route(router_logits, bias, valid, cfg: KimiConfig):
@@ -350,7 +353,7 @@ class MoE(nnx.Module):
     group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
     experts = self.routed_weights()
     if cfg.moe_impl == "pallas":
-      y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts)
+      y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts, sorted_expert_ids=flat_ids[order])
     else:
       if isinstance(experts, int4.Int4Experts):
         # The format's weights, bf16(q * scale), as the kernel forms them; dequantised per call

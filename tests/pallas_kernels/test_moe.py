@@ -473,16 +473,23 @@ def test_model_pallas_branch_off_gpu_raises_a_clear_error():
 
 
 @pytest.mark.parametrize("experts_int4", [False, True])
-def test_model_pallas_branch_matches_xla_in_interpret_mode(experts_int4):
+@pytest.mark.parametrize("batch,length", [(2, 9), (1, 3)])
+def test_model_pallas_branch_matches_xla_in_interpret_mode(experts_int4, batch, length, monkeypatch):
   """The tiny model in bf16, experts bf16 or INT4: MoE through the kernel (interpreted) vs through
   ragged_dot (INT4 dequantised first). One MoE layer, so both paths route the same inputs (a
-  second one could see a near-tied routing flip from bf16 rounding and change a whole row)."""
+  second one could see a near-tied routing flip from bf16 rounding and change a whole row).
+  1 x 3 tokens route 6 rows to 8 experts: the model passes the sorted rows' experts and the
+  kernel builds its work list from them (``work_list`` is made to fail to prove it)."""
   cfg = KimiConfig.tiny(dtype="bfloat16", param_dtype="bfloat16", num_hidden_layers=2, experts_int4=experts_int4)
   model_xla = kimi.init_model(cfg, seed=0)
   model_pallas = kimi.init_model(dataclasses.replace(cfg, moe_impl="pallas"), seed=0)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-  valid = jnp.ones((2, 9), bool).at[1, 6:].set(False)  # padded tokens route to no expert
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)), jnp.int32)
+  valid = jnp.ones((batch, length), bool).at[batch - 1, length - 1:].set(False)  # padded: no expert
   want = kimi.train_forward(model_xla, tokens, valid)
+  if batch * length * cfg.num_experts_per_tok <= cfg.n_routed_experts:
+    def no_group_sizes_list(*args):
+      raise AssertionError("the model did not pass sorted_expert_ids where A <= E")
+    monkeypatch.setattr(moe, "work_list", no_group_sizes_list)
   with plgpu.force_gpu_interpret_mode(INTERPRET):
     got = kimi.train_forward(model_pallas, tokens, valid)
   np.testing.assert_array_equal(np.asarray(got.expert_load), np.asarray(want.expert_load))
