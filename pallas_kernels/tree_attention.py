@@ -191,7 +191,9 @@ class Options:
     of O^T (Dv * Rt / 128 <= 192 fp32 per thread), else "split". Form "rows_m" takes only
     "split"/"auto" (see ``_plan_rows_m`` for why a softmax-only warpgroup does not compile).
   regs: registers per thread of warpgroups 0 and 1 (setmaxnreg; with the memory warpgroup's 40
-    at most 512 in all); 0: 232 each (form "rows_n" only).
+    at most 512 in all); 0: 232 each. In form "rows_m" at Kimi widths (goal cell) ptxas spills
+    148 bytes a thread in warpgroup 0 at 232, 48 at (256, 216), and warpgroup 1 none at 216
+    (the kernel's PTX through ptxas 13.0 offline); the GPU time of (256, 216) is not yet measured.
   merge: "auto" (default: "kernel" for ``MERGE_KERNEL_ROWS`` merged rows, or
     ``MERGE_KERNEL_ROWS_BF16`` with bf16 partials, where it was timed faster, else "pairwise"),
     "kernel" (one Mosaic GPU kernel, ``_merge_kernel``, reads each real row's partials, by
@@ -323,6 +325,10 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     partial_dtype = "bfloat16" if bf16_queries else "float32"
   if options.form not in ("auto", "rows_n", "rows_m"):
     raise ValueError(f"unknown form {options.form!r}")
+  if len(options.regs) != 2 or any(r and not (24 <= r <= 256 and r % 8 == 0) for r in options.regs) or (
+      sum(r or 232 for r in options.regs) + 40 > 512):
+    raise ValueError(f"Options.regs={options.regs}: two register counts, each 0 (232) or a multiple of 8 "
+                     "in [24, 256], with the memory warpgroup's 40 at most 512 in all")
   rows = q_len * heads_per_group
   rows_m = None
   if options.form == "rows_m" or (
@@ -380,10 +386,6 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
   pv = options.pv
-  if len(options.regs) != 2 or any(r and not (24 <= r <= 256 and r % 8 == 0) for r in options.regs) or (
-      sum(r or 232 for r in options.regs) + 40 > 512):
-    raise ValueError(f"Options.regs={options.regs}: two register counts, each 0 (232) or a multiple of 8 "
-                     "in [24, 256], with the memory warpgroup's 40 at most 512 in all")
   if value_wgs == 1:
     pv = "split"  # one compute warpgroup does everything
   elif pv == "auto":
@@ -430,8 +432,6 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
   if options.pv == "value_wg":
     return fail("pv='value_wg' (a fourth warpgroup) needs more than the 128 registers per "
                 "thread that ptxas allows 512 threads")
-  if options.regs != (0, 0):
-    return fail("Options.regs applies to form='rows_n' only (rows_m: 232 and 232)")
   stageable = partial_dtype == "bfloat16" and key_dims[0] == value_dim
   epilogue = options.epilogue
   if epilogue == "auto":
@@ -804,6 +804,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   rows, bk = plan.rows_per_tile, BLOCK_KV
   num_stages = plan.num_stages
   opts = plan.options
+  regs0, regs1 = (r or 232 for r in opts.regs)
   dv_half = value_smem.shape[-1] // 2
   staged = opts.epilogue == "smem"
   if staged:  # "done", then warpgroup 1's "my half of O is in the query tile"
@@ -860,7 +861,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
 
   @pl.when(wg == 0)
   def _softmax_wg():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
 
     def row_vector(r):
@@ -935,7 +936,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
 
   @pl.when(wg == 1)
   def _values_wg():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(regs1, action="increase")
     half = 1
 
     def step(i, acc):

@@ -222,6 +222,23 @@ def test_merge_kernel_lowers_for_cuda_wherever_it_fits(dtype):
   assert len(shapes) >= 16  # blocks of 128 to 2048 columns, boxes of 128 or 256
 
 
+def test_rows_m_register_counts_lower_for_cuda():
+  # setmaxnreg counts other than 232/232 in form "rows_m" at Kimi widths (q17 x 8 heads, bf16):
+  # the kernel must still pass Mosaic GPU's lowering (layout inference, shared memory), and the
+  # counts must reach the module (its serialised text holds the inline-PTX strings).
+  sds = jax.ShapeDtypeStruct
+  b, q, n = 1, 17, 8
+  args = (sds((b, q, n, 512), jnp.bfloat16), sds((b, q, n, 64), jnp.bfloat16),
+          sds((2, 4096, 512), jnp.bfloat16), sds((2, 4096, 64), jnp.bfloat16),
+          sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, q, q), jnp.bool_), sds((b, q), jnp.bool_))
+  for regs in ((256, 216), (240, 232)):
+    f = functools.partial(ta.mla_tree_attention, scale=0.1,
+                          options=ta.Options(form="rows_m", regs=regs))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for count in set(regs):
+      assert f"setmaxnreg.inc.sync.aligned.u32 {count};" in text
+
+
 def test_merge_kernel_reads_bf16_partials_as_stored():
   # bf16 partials: the kernel loads them as they are (no XLA conversion of the partials before
   # it) and widens them in registers; same result as the XLA merge of the same bf16 values.
@@ -555,6 +572,14 @@ def test_plan_table():
     with pytest.raises(ValueError, match="Options.regs"):
       ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512, shared_value=True,
               cache_len=32768, options=ta.Options(regs=regs, form="rows_n"))
+  # Form "rows_m" takes register counts too (the default 232 and 232 spill in warpgroup 0 at
+  # Kimi widths); the same 512 limit holds.
+  rows_m = ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512,
+                   shared_value=True, cache_len=32768, options=ta.Options(regs=(256, 216), form="rows_m"))
+  assert (rows_m.form, rows_m.options.regs) == ("rows_m", (256, 216))
+  with pytest.raises(ValueError, match="Options.regs"):
+    ta.plan(q_len=17, heads_per_group=8, num_work=1, key_dims=(512, 64), value_dim=512, shared_value=True,
+            cache_len=32768, options=ta.Options(regs=(256, 224), form="rows_m"))
   # By default ("auto") 136 rows take the 64-row form: 3 tiles, 2 KV stages (2 x 73.7 KB and
   # the 73.7 KB query tile: the planner's estimate is the whole 227 KiB), 3 warpgroups, no
   # reduction scratch.
