@@ -194,6 +194,8 @@ class Options:
     at most 512 in all); 0: 232 each. In form "rows_m" at Kimi widths (goal cell) ptxas spills
     148 bytes a thread in warpgroup 0 at 232, 48 at (256, 216), and warpgroup 1 none at 216
     (the kernel's PTX through ptxas 13.0 offline); the GPU time of (256, 216) is not yet measured.
+    Non-zero counts no longer steer form "auto" to "rows_n" (until 2026-11-30 "rows_m" refused
+    them); the counts split different work in each form (rows_m: S and half of O in warpgroup 0).
   merge: "auto" (default: "kernel" for ``MERGE_KERNEL_ROWS`` merged rows, or
     ``MERGE_KERNEL_ROWS_BF16`` with bf16 partials, where it was timed faster, else "pairwise"),
     "kernel" (one Mosaic GPU kernel, ``_merge_kernel``, reads each real row's partials, by
