@@ -10,8 +10,8 @@ row buffer keeps the static size 8T, the rest is padding). Timed side by side in
 * ``pallas`` bf16 and INT4 (``pallas_kernels/moe.py``): reads only the touched experts;
   ``pallas_rows`` the same with the work list built from the sorted rows' experts where 8T <= E
   (``moe.work_list_from_rows``; the ids are built outside the timed step; the model takes them
-  from its sort with one gather of A ints, not timed here), against the [E, E] prefix fusion of the default; checked
-  bit-identical to ``pallas``;
+  from its sort with one gather of A ints, not timed here), against the [E, E] prefix fusion of
+  the default; checked bit-identical to ``pallas``;
 * ``ragged_dot``: ``models.kimi.routed_experts`` (``jax.lax.ragged_dot``), bf16;
 * ``ragged_dot_mgpu``: jax's Pallas Mosaic GPU ragged dot (block 64 x 256 x 64, 4 stages) for
   each projection with the SwiGLU in XLA, bf16.

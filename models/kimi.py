@@ -270,8 +270,8 @@ def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None
   (or under ``plgpu.force_gpu_interpret_mode``, for tests), bf16 activations (the kernel raises a
   clear error otherwise). ``sorted_expert_ids`` int[A], each sorted row's expert (E for padding),
   lets the kernel build its work list from the rows where there are fewer rows than experts
-  (decode and small trees): the same list, 0.92x the INT4 layer's GPU time at 384 experts and T = 1 and 9
-  on the H200 (``benchmarks/results/bench_moe_rows.md``).
+  (decode and small trees): the same list, 0.92x the INT4 layer's GPU time at 384 experts and
+  T = 1 and 9 on the H200 (``benchmarks/results/bench_moe_rows.md``).
   """
   if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
     raise RuntimeError(
