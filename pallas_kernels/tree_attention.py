@@ -139,6 +139,9 @@ from pallas_kernels.gpu_info import num_sms
 
 LOG2E = math.log2(math.e)
 BLOCK_KV = 64  # KV positions per tile: the wgmma M dimension of S^T
+# Registers a thread at launch for three warpgroups (65536 / 384, down to a multiple of 8);
+# setmaxnreg can only move registers between warpgroups within the CTA's 3 x 168.
+LAUNCH_REGISTERS = 168
 SMEM_BUDGET = 220 * 1024  # bytes of shared memory we allow ourselves (H100/H200 allow 227 KiB)
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4  # Mosaic GPU's default cross-warp reduction scratch
 
@@ -191,9 +194,11 @@ class Options:
     of O^T (Dv * Rt / 128 <= 192 fp32 per thread), else "split". Form "rows_m" takes only
     "split"/"auto" (see ``_plan_rows_m`` for why a softmax-only warpgroup does not compile).
   regs: registers per thread of warpgroups 0 and 1 (setmaxnreg; with the memory warpgroup's 40
-    at most 512 in all); 0: 232 each. In form "rows_m" at Kimi widths (goal cell) ptxas spills
-    148 bytes a thread in warpgroup 0 at 232, 48 at (256, 216), and warpgroup 1 none at 216
-    (the kernel's PTX through ptxas 13.0 offline); the GPU time of (256, 216) is not yet measured.
+    at most 504 in all: the CTA is launched with 168 a thread, 3 x 168 = 504, and setmaxnreg only
+    moves registers within that allocation; 240/232, 248/224 and 256/216, at 512, hung the H200
+    on 2026-11-30); 0: 232 each. In form "rows_m" at Kimi widths (goal cell) ptxas spills 148
+    bytes a thread in warpgroup 0 at 232, 108 at 240, 76 at 248, 48 at 256, and warpgroup 1 none
+    at 208 (the kernel's PTX through ptxas 13.0 offline).
     Non-zero counts no longer steer form "auto" to "rows_n" (until 2026-11-30 "rows_m" refused
     them); the counts split different work in each form (rows_m: S and half of O in warpgroup 0).
   merge: "auto" (default: "kernel" for ``MERGE_KERNEL_ROWS`` merged rows, or
@@ -328,9 +333,10 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   if options.form not in ("auto", "rows_n", "rows_m"):
     raise ValueError(f"unknown form {options.form!r}")
   if len(options.regs) != 2 or any(r and not (24 <= r <= 256 and r % 8 == 0) for r in options.regs) or (
-      sum(r or 232 for r in options.regs) + 40 > 512):
+      sum(r or 232 for r in options.regs) + 40 > LAUNCH_REGISTERS * 3):
     raise ValueError(f"Options.regs={options.regs}: two register counts, each 0 (232) or a multiple of 8 "
-                     "in [24, 256], with the memory warpgroup's 40 at most 512 in all")
+                     f"in [24, 256], with the memory warpgroup's 40 at most {LAUNCH_REGISTERS * 3} in all "
+                     f"(three warpgroups launched with {LAUNCH_REGISTERS} a thread)")
   rows = q_len * heads_per_group
   rows_m = None
   if options.form == "rows_m" or (
