@@ -127,6 +127,7 @@ and the demo model need none).
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -521,11 +522,74 @@ def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_
   return pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start
 
 
-def _stream_kv(*, plan: Plan, q_refs, q_smem, meta_ref, meta_smem, q_barrier, sources,
-               destinations, loaded, consumed, bg, row_tile, group, pool_slot, num_words,
-               num_tiles, tile_start):
+class _Refs(NamedTuple):
+  """Both kernels' refs after the metadata, by name (``_split_refs``)."""
+  q_refs: tuple
+  key_refs: tuple
+  value_ref: object
+  o_ref: object
+  lse_ref: object
+  key_smem: tuple
+  value_smem: object
+  q_smem: object
+  meta_smem: object
+  p_smem: object
+  exchange: object
+  loaded: object
+  consumed: object
+  p_ready: object
+  p_free: object
+  q_barrier: object
+  done: object
+
+
+class _Cta(NamedTuple):
+  """One CTA's grid coordinates and KV range (``_cta``)."""
+  bg: jax.Array  # request x group
+  split: jax.Array
+  row_tile: jax.Array
+  wg: jax.Array  # warpgroup
+  group: jax.Array  # KV group of ``bg``
+  pool_slot: jax.Array
+  window_start: jax.Array
+  hi: jax.Array  # end of this split's live columns
+  num_tiles: jax.Array
+  first_window_tile: jax.Array
+  tile_start: object  # i -> (nominal first column, clamped load start), ``_split_range``
+
+
+def _cta(meta_ref, *, plan: Plan, num_groups: int, num_words: int, cache_len: int) -> _Cta:
+  bg = lax.axis_index("bg")
+  split = lax.axis_index("split")
+  row_tile = lax.axis_index("rt")
+  wg = lax.axis_index("wg")
+  return _Cta(bg, split, row_tile, wg, lax.rem(bg, num_groups), *_split_range(
+      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len))
+
+
+def _window_visibility(col, window_start, num_words: int, row_vector, shape):
+  """Packed visibility bits of the window columns (col - window_start in [0, 32 W)): a bool
+  array of ``shape``; ``row_vector(r)`` gives metadata row r broadcast to it."""
+  rel = col - window_start
+  seen = jnp.zeros(shape, jnp.bool_)
+  for word in range(num_words):
+    shift = rel - 32 * word
+    inside = (shift >= 0) & (shift < 32)
+    bit = lax.shift_right_logical(row_vector(1 + word), jnp.clip(shift, 0, 31)) & 1
+    seen = seen | (inside & (bit != 0))
+  return seen
+
+
+def _stream_kv(*, plan: Plan, refs: _Refs, meta_ref, cta: _Cta, num_words: int,
+               shared_value: bool):
   """The memory warpgroup: the query tile and metadata, then KV tiles into the stage ring."""
   plgpu.set_max_registers(40, action="decrease")
+  q_refs, q_smem, meta_smem, q_barrier = refs.q_refs, refs.q_smem, refs.meta_smem, refs.q_barrier
+  loaded, consumed = refs.loaded, refs.consumed
+  bg, row_tile, group, pool_slot = cta.bg, cta.row_tile, cta.group, cta.pool_slot
+  num_tiles, tile_start = cta.num_tiles, cta.tile_start
+  sources = list(refs.key_refs) + ([] if shared_value else [refs.value_ref])
+  destinations = list(refs.key_smem) + ([] if shared_value else [refs.value_smem])
   rt_rows, bk, num_stages = plan.rows_per_tile, BLOCK_KV, plan.num_stages
   row0 = row_tile * rt_rows
   for part in range(len(q_refs)):
@@ -591,7 +655,7 @@ def _online_softmax_tile(s, visible, m_run, scale, kv_axis: int):
   return m_new, alpha, p
 
 
-def _split_refs(refs, num_key_parts: int, shared_value: bool):
+def _split_refs(refs, num_key_parts: int, shared_value: bool) -> _Refs:
   """Both kernels' refs after the metadata, by name: q parts, key pools, the value pool (key part
   0 when shared), the two outputs, then the scratch (the value stage is key part 0's when shared)."""
   n = num_key_parts
@@ -605,8 +669,8 @@ def _split_refs(refs, num_key_parts: int, shared_value: bool):
    q_barrier, done) = rest[2:]
   if shared_value:
     value_smem = key_smem[0]
-  return (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem,
-          exchange, loaded, consumed, p_ready, p_free, q_barrier, done)
+  return _Refs(q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem,
+               p_smem, exchange, loaded, consumed, p_ready, p_free, q_barrier, done)
 
 
 def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
@@ -620,9 +684,9 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   key pools [S, T, G, Dk_i]; value pool [S, T, G, Dv] unless shared with key part 0; outputs
   o_part [BG, splits, n_rt, rows_stored, Dv] and lse_part [BG, splits, n_rt, Rt]; then scratch.
   """
-  n = num_key_parts
+  named = _split_refs(refs, num_key_parts, shared_value)
   (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange,
-   loaded, consumed, p_ready, p_free, q_barrier, done) = _split_refs(refs, n, shared_value)
+   loaded, consumed, p_ready, p_free, q_barrier, done) = named
 
   rt_rows = plan.rows_per_tile
   bk = BLOCK_KV
@@ -636,13 +700,10 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   pv_first = 0 if pv_split else 1
   regs0, regs1 = (r or 232 for r in opts.regs)
 
-  bg = lax.axis_index("bg")
-  split = lax.axis_index("split")
-  row_tile = lax.axis_index("rt")
-  wg = lax.axis_index("wg")
-  group = lax.rem(bg, num_groups)
-  pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start = _split_range(
-      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len)
+  cta = _cta(meta_ref, plan=plan, num_groups=num_groups, num_words=num_words, cache_len=cache_len)
+  bg, split, row_tile, wg = cta.bg, cta.split, cta.row_tile, cta.wg
+  window_start, hi, num_tiles, first_window_tile, tile_start = (
+      cta.window_start, cta.hi, cta.num_tiles, cta.first_window_tile, cta.tile_start)
   reduce0 = plgpu.Layout.WGMMA.reduce(0)
 
   def add_values(acc, stage, buf, which: int):
@@ -667,33 +728,23 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
   @pl.when(wg == vw)
   def _memory_wg():
-    _stream_kv(plan=plan, q_refs=q_refs, q_smem=q_smem, meta_ref=meta_ref, meta_smem=meta_smem,
-               q_barrier=q_barrier, sources=list(key_refs) + ([] if shared_value else [value_ref]),
-               destinations=list(key_smem) + ([] if shared_value else [value_smem]),
-               loaded=loaded, consumed=consumed, bg=bg, row_tile=row_tile, group=group,
-               pool_slot=pool_slot, num_words=num_words, num_tiles=num_tiles,
-               tile_start=tile_start)
+    _stream_kv(plan=plan, refs=named, meta_ref=meta_ref, cta=cta, num_words=num_words,
+               shared_value=shared_value)
 
   @pl.when(wg == 0)
   def _softmax_wg():
     plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
-    prefix_cut = lax.broadcast_in_dim(plgpu.load(meta_smem.at[0], layout=reduce0), (bk, rt_rows),
-                                      [1])
+
+    def row_vector(r):
+      """Metadata row r as [64, Rt], constant along the KV axis."""
+      return lax.broadcast_in_dim(plgpu.load(meta_smem.at[r], layout=reduce0), (bk, rt_rows), [1])
+
+    prefix_cut = row_vector(0)
     kv_iota = plgpu.broadcasted_iota(jnp.int32, (bk, rt_rows), 0, layout=plgpu.Layout.WGMMA)
 
     def visible_window(col):
-      """Packed visibility bits of the window columns (col - window_start in [0, 32 W))."""
-      rel = col - window_start
-      seen = jnp.zeros((bk, rt_rows), jnp.bool_)
-      for word in range(num_words):
-        bits = lax.broadcast_in_dim(plgpu.load(meta_smem.at[1 + word], layout=reduce0),
-                                    (bk, rt_rows), [1])
-        shift = rel - 32 * word
-        inside = (shift >= 0) & (shift < 32)
-        bit = lax.shift_right_logical(bits, jnp.clip(shift, 0, 31)) & 1
-        seen = seen | (inside & (bit != 0))
-      return seen
+      return _window_visibility(col, window_start, num_words, row_vector, (bk, rt_rows))
 
     def step(i, carry, window: bool):
       acc, m_run, l_run = carry
@@ -706,7 +757,7 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
         return carry
 
       def scores(acc_ref):
-        for part in range(n):
+        for part in range(num_key_parts):
           plgpu.wgmma(acc_ref, key_smem[part].at[stage], q_smem[part].transpose((1, 0)))
         return acc_ref[...]
 
@@ -805,9 +856,9 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   warpgroup 1 accumulates ``O[:, Dv/2:]`` with P from shared memory; warpgroup 2 streams the
   tiles (``_stream_kv``). Refs as in ``_kernel`` (row tile 64, rows_stored 64).
   """
-  n = num_key_parts
+  named = _split_refs(refs, num_key_parts, shared_value)
   (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange,
-   loaded, consumed, p_ready, p_free, q_barrier, done) = _split_refs(refs, n, shared_value)
+   loaded, consumed, p_ready, p_free, q_barrier, done) = named
 
   rows, bk = plan.rows_per_tile, BLOCK_KV
   num_stages = plan.num_stages
@@ -818,13 +869,10 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   if staged:  # "done", then warpgroup 1's "my half of O is in the query tile"
     done, staged_half = done.at[0], done.at[1]
 
-  bg = lax.axis_index("bg")
-  split = lax.axis_index("split")
-  row_tile = lax.axis_index("rt")
-  wg = lax.axis_index("wg")
-  group = lax.rem(bg, num_groups)
-  pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start = _split_range(
-      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len)
+  cta = _cta(meta_ref, plan=plan, num_groups=num_groups, num_words=num_words, cache_len=cache_len)
+  bg, split, row_tile, wg = cta.bg, cta.split, cta.row_tile, cta.wg
+  window_start, hi, num_tiles, first_window_tile, tile_start = (
+      cta.window_start, cta.hi, cta.num_tiles, cta.first_window_tile, cta.tile_start)
   per_row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector, one entry per row of a WGMMA array
 
   def add_values(acc, p, stage, half: int):
@@ -860,12 +908,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
 
   @pl.when(wg == 2)
   def _memory_wg():
-    _stream_kv(plan=plan, q_refs=q_refs, q_smem=q_smem, meta_ref=meta_ref, meta_smem=meta_smem,
-               q_barrier=q_barrier, sources=list(key_refs) + ([] if shared_value else [value_ref]),
-               destinations=list(key_smem) + ([] if shared_value else [value_smem]),
-               loaded=loaded, consumed=consumed, bg=bg, row_tile=row_tile, group=group,
-               pool_slot=pool_slot, num_words=num_words, num_tiles=num_tiles,
-               tile_start=tile_start)
+    _stream_kv(plan=plan, refs=named, meta_ref=meta_ref, cta=cta, num_words=num_words,
+               shared_value=shared_value)
 
   @pl.when(wg == 0)
   def _softmax_wg():
@@ -880,15 +924,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
     kv_iota = plgpu.broadcasted_iota(jnp.int32, (rows, bk), 1, layout=plgpu.Layout.WGMMA)
 
     def visible_window(col):
-      """Packed visibility bits of the window columns (col - window_start in [0, 32 W))."""
-      rel = col - window_start
-      seen = jnp.zeros((rows, bk), jnp.bool_)
-      for word in range(num_words):
-        shift = rel - 32 * word
-        inside = (shift >= 0) & (shift < 32)
-        bit = lax.shift_right_logical(row_vector(1 + word), jnp.clip(shift, 0, 31)) & 1
-        seen = seen | (inside & (bit != 0))
-      return seen
+      return _window_visibility(col, window_start, num_words, row_vector, (rows, bk))
 
     def step(i, carry, window: bool):
       acc, m_run, l_run = carry
@@ -900,7 +936,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
         return carry
 
       def scores(acc_ref):
-        for part in range(n):
+        for part in range(num_key_parts):
           plgpu.wgmma(acc_ref, q_smem[part], key_smem[part].at[stage].transpose((1, 0)))
         return acc_ref[...]
 
