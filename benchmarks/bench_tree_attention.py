@@ -310,6 +310,13 @@ def variant_list():
     for regs in ((232, 232), (240, 224), (248, 216), (256, 208)):  # 232/232: the default, as a same-run baseline
       out.append((cell, f"rows_m registers {regs[0]}/{regs[1]}",
                   dict(options=O(form="rows_m", regs=regs))))
+  # Options.live_splits: each request split by its own live length, not the pool's (the launched
+  # count); short contexts in a long pool (run with --cached 4096 131072: a 132k pool, as in the
+  # grid), beside long ones where nothing should change. The default in the same run first.
+  for cell in [(64, 8, 4096, 17), (64, 8, 4096, 9), (8, 8, 4096, 17), (8, 32, 4096, 9),
+               (64, 32, 4096, 17), (8, 1, 4096, 17), (8, 8, 131072, 17), (64, 8, 131072, 9)]:
+    out.append((cell, "live splits: default (pool's count)", dict()))
+    out.append((cell, "live splits", dict(options=O(live_splits=True))))
   out += [(goal, "probe: no loads", dict(options=O(probe="noload"))),
           (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
           (goal, "probe: no P V", dict(options=O(probe="nopv"))),

@@ -67,6 +67,11 @@ Layout of the work (why it is shaped this way):
     merge kernel (3.49 us of it; 4.06 with one CTA per whole row, the first design) against 37.9
     with the XLA merge (2.24 + 3.55 us); it moves the 12 MB of fp32 partials of the real rows.
     A plan with one split has nothing to merge: the partial is the output (no merge kernel).
+    The launched split count comes from the pool's length (static); a short context in a long
+    pool then gets many splits of two or three tiles. ``Options.live_splits`` splits each
+    request by its own live length instead (a count per request in the window metadata; the CTAs
+    past it return at once and the merges select them away); built and tested, not yet timed,
+    so off by default.
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
@@ -132,6 +137,7 @@ from typing import NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -231,6 +237,14 @@ class Options:
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
     no masks, reductions or exponentials; form "rows_n" only), "nopv" (no V^T P^T products),
     "nostore" (the partial outputs are computed but not written; form "rows_m" only).
+  live_splits: split each request's live columns by the count ``_choose_splits`` gives its live
+    length (capped at the launched ``num_splits``, which the pool's length sets), not by the
+    launched count: a short context in a long pool then runs few long splits instead of many of
+    two or three tiles. The count goes into the window metadata (``_live_split_counts``); the CTAs
+    of the splits past it return at once, loading and storing nothing, and both merges select
+    those splits away (their partials are never written). Off by default until timed on the
+    H200 (``bench_tree_attention.py --variants``, "live splits"); the merge still reads every
+    launched split's partials.
   """
 
   lazy_sum: bool = True
@@ -243,6 +257,7 @@ class Options:
   merge_columns: int = 0
   epilogue: str = "auto"
   probe: str = ""
+  live_splits: bool = False
 
 
 def _round_up(x: int, m: int) -> int:
@@ -484,24 +499,53 @@ def _choose_splits(tiles: int, ctas_per_split: int) -> int:
   used to get one split per request); the 2% margin keeps the smaller count on near-ties, since
   every split adds a partial output to merge.
   """
+  return int(_split_counts(tiles, ctas_per_split)[tiles])
+
+
+@functools.lru_cache(maxsize=256)
+def _split_counts(max_tiles: int, ctas_per_split: int) -> np.ndarray:
+  """``_choose_splits(t, ctas_per_split)`` for every t in [0, max_tiles]: int32 [max_tiles + 1].
+
+  Candidates 1 .. min(t, 4 x SMs), each taken over the best so far only when 2% cheaper, in
+  increasing order (one numpy pass per candidate over all t).
+  """
   sms = num_sms()
   start_up = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
-  best, best_cost = 1, None
-  for splits in range(1, max(1, min(tiles, 4 * sms)) + 1):
-    waves = -(-ctas_per_split * splits // sms)
-    cost = waves * (tiles / splits + start_up)
-    if best_cost is None or cost < best_cost * 0.98:
-      best, best_cost = splits, cost
+  tiles = np.arange(max_tiles + 1, dtype=np.float64)
+  best = np.ones(max_tiles + 1, np.int32)
+  best_cost = -(-ctas_per_split // sms) * (tiles + start_up)
+  for splits in range(2, min(max_tiles, 4 * sms) + 1):
+    cost = -(-ctas_per_split * splits // sms) * (tiles / splits + start_up)
+    better = (splits <= tiles) & (cost < best_cost * 0.98)
+    best = np.where(better, splits, best).astype(np.int32)
+    best_cost = np.where(better, cost, best_cost)
+  best.setflags(write=False)  # cached: shared by every caller
   return best
 
 
-def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_len: int):
+def _live_split_counts(live, *, cache_len: int, ctas_per_split: int, num_splits: int):
+  """Each request's split count for its live columns ``live`` (int32 [B], at most ``cache_len``):
+  ``_choose_splits`` of its live tiles, capped at the launched ``num_splits`` (``Options.
+  live_splits``); one gather from a constant table."""
+  table = np.minimum(_split_counts(-(-cache_len // BLOCK_KV), ctas_per_split), num_splits)
+  tiles = (live + BLOCK_KV - 1) // BLOCK_KV
+  return jnp.asarray(table, jnp.int32)[jnp.clip(tiles, 0, table.shape[0] - 1)]
+
+
+def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_len: int,
+                 live_splits: bool):
   """This CTA's KV columns: (pool slot, window start, end ``hi``, tile count, first tile that
-  needs the window masks, ``tile_start(i)`` -> (nominal first column, clamped load start))."""
+  needs the window masks, ``tile_start(i)`` -> (nominal first column, clamped load start),
+  ``active``: None, or with ``live_splits`` whether the split is one of the request's own count;
+  an inactive split gets no tiles)."""
   bk = BLOCK_KV
   pool_slot = meta_ref[bg, 0, 1 + num_words, 0]
   window_start = meta_ref[bg, 0, 1 + num_words, 1]
   live = meta_ref[bg, 0, 1 + num_words, 2]
+  active = None
+  if live_splits:  # the request's own count (``_live_split_counts``), as the merge reads it
+    num_splits = jnp.clip(meta_ref[bg, 0, 1 + num_words, 3], 1, num_splits)
+    active = split < num_splits
   # Equal tile-aligned ranges of this request's live columns, one per split.
   per_split = lax.div(lax.div(live + num_splits - 1, num_splits) + bk - 1, bk) * bk
   lo = split * per_split
@@ -519,7 +563,7 @@ def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_
     nominal = lo + i * bk
     return nominal, jnp.minimum(nominal, cache_len - bk)
 
-  return pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start
+  return pool_slot, window_start, hi, num_tiles, first_window_tile, tile_start, active
 
 
 class _Refs(NamedTuple):
@@ -556,6 +600,12 @@ class _Cta(NamedTuple):
   num_tiles: jax.Array
   first_window_tile: jax.Array
   tile_start: object  # i -> (nominal first column, clamped load start), ``_split_range``
+  active: jax.Array | None  # Options.live_splits: a split of the request's own count
+
+  def when(self, condition):
+    """``pl.when(condition)``, and only in an active split (``Options.live_splits``): the CTA of
+    an inactive one runs no warpgroup's body, so it loads, stores and waits for nothing."""
+    return pl.when(condition if self.active is None else condition & self.active)
 
 
 def _cta(meta_ref, *, plan: Plan, num_groups: int, num_words: int, cache_len: int) -> _Cta:
@@ -564,7 +614,8 @@ def _cta(meta_ref, *, plan: Plan, num_groups: int, num_words: int, cache_len: in
   row_tile = lax.axis_index("rt")
   wg = lax.axis_index("wg")
   return _Cta(bg, split, row_tile, wg, lax.rem(bg, num_groups), *_split_range(
-      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len))
+      meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len,
+      live_splits=plan.options.live_splits))
 
 
 def _window_visibility(col, window_start, num_words: int, row_vector, shape):
@@ -726,12 +777,12 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   def zero_acc():
     return plgpu.layout_cast(jnp.zeros((dv_slice, rt_rows), jnp.float32), plgpu.Layout.WGMMA)
 
-  @pl.when(wg == vw)
+  @cta.when(wg == vw)
   def _memory_wg():
     _stream_kv(plan=plan, refs=named, meta_ref=meta_ref, cta=cta, num_words=num_words,
                shared_value=shared_value)
 
-  @pl.when(wg == 0)
+  @cta.when(wg == 0)
   def _softmax_wg():
     plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
@@ -817,7 +868,7 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
         empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
 
   if vw == 2:
-    @pl.when(wg == 1)
+    @cta.when(wg == 1)
     def _values_wg():
       plgpu.set_max_registers(regs1, action="increase")
 
@@ -906,12 +957,12 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   def zero_acc():
     return plgpu.layout_cast(jnp.zeros((rows, dv_half), jnp.float32), plgpu.Layout.WGMMA)
 
-  @pl.when(wg == 2)
+  @cta.when(wg == 2)
   def _memory_wg():
     _stream_kv(plan=plan, refs=named, meta_ref=meta_ref, cta=cta, num_words=num_words,
                shared_value=shared_value)
 
-  @pl.when(wg == 0)
+  @cta.when(wg == 0)
   def _softmax_wg():
     plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
@@ -978,7 +1029,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
     lse_ref.at[bg, split, row_tile][...] = jnp.where(
         empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
 
-  @pl.when(wg == 1)
+  @cta.when(wg == 1)
   def _values_wg():
     plgpu.set_max_registers(regs1, action="increase")
     half = 1
@@ -1059,7 +1110,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   if window_meta is None:
     meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
                         heads_per_group=heads_per_group, num_groups=num_groups, n_rt=n_rt,
-                        rows_per_tile=rt_rows)
+                        rows_per_tile=rt_rows, pl_=pl_)
   else:
     meta = _checked_meta(name, window_meta, layout)
   num_words = meta.shape[2] - 2
@@ -1107,16 +1158,20 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       interpret=interpret)
   operands = [meta, *q_parts, *key_pools] + ([] if shared_value else [value_pool])
   o_part, lse_part = kernel(*operands)
-  return _merge(o_part, lse_part, pl_, rows, interpret=interpret)
+  # Options.live_splits: each request's own count, as the kernel read it; the rest unwritten.
+  live_counts = (jnp.clip(meta[:, 0, 1 + num_words, 3], 1, pl_.num_splits)
+                 if pl_.options.live_splits else None)
+  return _merge(o_part, lse_part, pl_, rows, interpret=interpret, live_counts=live_counts)
 
 
 def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, heads_per_group,
-                 num_groups, n_rt, rows_per_tile):
+                 num_groups, n_rt, rows_per_tile, pl_: Plan):
   """The kernel's per-row-tile metadata, int32 [BG, n_rt, 2 + W, Rt] (one XLA fusion).
 
   Row 0: prefix cut per query row (``prefix_len`` for real rows, 0 for padded ones); rows 1..W:
   the packed window bits (``window_mask_bits``); row 1 + W: pool slot, window start and live
-  columns ``min(prefix_len + Q, T)`` of the request (the rest zero). Query row r of tile t is
+  columns ``min(prefix_len + Q, T)`` of the request, then with ``Options.live_splits`` its split
+  count (``_live_split_counts``; the rest zero). Query row r of tile t is
   ``q = (t * Rt + r) // heads_per_group``; rows past ``Q * heads_per_group`` see nothing.
   """
   batch = valid.shape[0]
@@ -1130,8 +1185,12 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   per_row = jnp.pad(per_row, ((0, 0), (0, 0), (0, n_rt * rows_per_tile - rows)))
   per_row = per_row.reshape(batch, 1 + num_words, n_rt, rows_per_tile).transpose(0, 2, 1, 3)
   live = jnp.minimum(prefix_len + q_len, cache_len)
-  req = jnp.stack([slots, prefix_len, live], axis=1).astype(jnp.int32)  # [B, 3]
-  req = jnp.pad(req, ((0, 0), (0, rows_per_tile - 3)))
+  per_request = [slots, prefix_len, live]
+  if pl_.options.live_splits:
+    per_request.append(_live_split_counts(live, cache_len=cache_len, ctas_per_split=batch * num_groups * n_rt,
+                                          num_splits=pl_.num_splits))
+  req = jnp.stack(per_request, axis=1).astype(jnp.int32)  # [B, 3 or 4]
+  req = jnp.pad(req, ((0, 0), (0, rows_per_tile - req.shape[1])))
   req = jnp.broadcast_to(req[:, None, None, :], (batch, n_rt, 1, rows_per_tile))
   meta = jnp.concatenate([per_row, req], axis=2)  # [B, n_rt, 2 + W, Rt]
   return jnp.repeat(meta, num_groups, axis=0)  # [BG, ...] (bg = b * G + g)
@@ -1168,7 +1227,8 @@ def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: P
   for others, but a meta prepared for other shapes is a caller's mistake, so it raises)."""
   return (("batch", batch), ("q_len", q_len), ("heads_per_group", heads_per_group),
           ("num_groups", num_groups), ("padded cache_len", cache_len),
-          ("rows_per_tile", pl_.rows_per_tile), ("row_tiles", pl_.num_row_tiles)) + tuple(call_dims)
+          ("rows_per_tile", pl_.rows_per_tile), ("row_tiles", pl_.num_row_tiles),
+          ("live_splits", pl_.num_splits if pl_.options.live_splits else 0)) + tuple(call_dims)
 
 
 def _checked_meta(name, window_meta, layout):
@@ -1210,7 +1270,7 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
   meta = _window_meta(slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                       q_len=q_len, cache_len=padded_len, heads_per_group=heads_per_group,
                       num_groups=num_groups, n_rt=pl_.num_row_tiles,
-                      rows_per_tile=pl_.rows_per_tile)
+                      rows_per_tile=pl_.rows_per_tile, pl_=pl_)
   return WindowMeta(meta=meta, layout=_meta_layout(
       batch=batch, q_len=q_len, heads_per_group=heads_per_group, num_groups=num_groups,
       cache_len=padded_len, pl_=pl_, call_dims=call_dims))
@@ -1268,7 +1328,8 @@ def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_h
                   options=options, call_dims=_mha_dims(head_dim, cache_len))
 
 
-def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, interpret=None):
+def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, interpret=None,
+           live_counts=None):
   """Log-sum-exp merge of the per-split partials: ``_merge_kernel`` where ``merge`` asks for it
   (``_merge_kernel_applies``) and it fits (``interpret`` as in the attention call), else in XLA:
   the split weights, then a weighted sum (described below).
@@ -1276,6 +1337,8 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
   Args:
     o_part: [BG, splits, n_rt, rows_stored, Dv] normalised partial outputs.
     lse_part: float32 [BG, splits, n_rt, Rt] base-2 log-sum-exp (-inf for an empty split).
+    live_counts: None, or int32 [BG]: only splits below it were written (``Options.live_splits``);
+      the others, whatever they hold (NaN included), are selected away, never multiplied by 0.
   Returns:
     float32 [BG, rows, Dv].
 
@@ -1300,8 +1363,13 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
   columns = pl_.options.merge_columns
   if _merge_kernel_applies(pl_.options.merge, o_part, bg_count * rows) and _merge_kernel_fits(
       o_part.shape, lse_part.shape, columns, o_part.dtype.itemsize):
-    return _merge_kernel(o_part, lse_part, rows, columns=columns, interpret=interpret)
+    return _merge_kernel(o_part, lse_part, rows, columns=columns, interpret=interpret,
+                         live_counts=live_counts)
   lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
+  if live_counts is not None:  # selects that XLA fuses into the two merge kernels
+    written = jnp.arange(splits)[None, :] < live_counts[:, None]  # [BG, splits]
+    lse = jnp.where(written[:, :, None, None], lse, -jnp.inf)
+    o_part = jnp.where(written[:, :, None, None, None], o_part, jnp.zeros((), o_part.dtype))
   if pl_.options.merge == "two_pass":
     top = jnp.max(lse, axis=1, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
@@ -1376,7 +1444,7 @@ def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0, itemsize: int = 4) 
           and splits * (cols * itemsize + 16) <= MERGE_SMEM_LIMIT)
 
 
-def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None):
+def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None, live_counts=None):
   """The log-sum-exp merge as one Mosaic GPU kernel (``Options.merge="kernel"``).
 
   One CTA per output row (request-group ``bg``, row ``g`` of tile ``g // Rt``) and block of
@@ -1395,7 +1463,8 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
   Requires ``_merge_kernel_fits``.
 
   Args/returns as ``_merge`` (o_part [BG, splits, n_rt, rs, Dv], lse_part [BG, splits, n_rt,
-  Rt]; float32 [BG, rows, Dv]).
+  Rt], live_counts None or int32 [BG]; float32 [BG, rows, Dv]). With ``live_counts`` the splits
+  past a request's count are still loaded (one box) but weigh 0 and read split 0's finite row.
   """
   bg_count, splits, n_rt, rs, dv = o_part.shape
   rt = lse_part.shape[-1]
@@ -1404,7 +1473,11 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
   per_cta, chunks = cols // width, dv // width
   o_view = o_part.reshape(bg_count, splits, n_rt, rs, chunks, width)
 
-  def body(o_ref, lse_ref, out_ref, o_smem, lse_smem, loaded):
+  def body(*refs):
+    if live_counts is None:
+      o_ref, lse_ref, out_ref, o_smem, lse_smem, loaded = refs
+    else:
+      count_ref, o_ref, lse_ref, out_ref, o_smem, lse_smem, loaded = refs
     bg = lax.axis_index("bg")
     row = lax.axis_index("row")
     block = lax.axis_index("col")
@@ -1417,11 +1490,19 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
     # splits can be in flight together instead of one loop iteration's latency each.
     lane = r - quad
     lse = [lse_smem[s, lane] for s in range(splits)]
+    source = list(range(splits))
+    if live_counts is not None:
+      # Unwritten partials may hold anything (NaN, inf), which a weight of 0 would not cancel:
+      # their log-sum-exps become -inf (weight 0) and their rows are read from split 0 instead,
+      # which every request writes.
+      count = count_ref[bg]
+      lse = [jnp.where(s < count, x, -jnp.inf) for s, x in enumerate(lse)]
+      source = [jnp.where(s < count, s, 0) for s in range(splits)]
     top = functools.reduce(jnp.maximum, lse)
     top = jnp.where(top == -jnp.inf, jnp.float32(0.0), top)  # no split saw the row: weights 0
     weights = [jnp.exp2(x - top) for x in lse]  # 0 for an empty split (lse -inf)
     acc = functools.reduce(lambda a, b: a + b,
-                           [w * o_smem[s].astype(jnp.float32) for s, w in enumerate(weights)])
+                           [w * o_smem[src].astype(jnp.float32) for src, w in zip(source, weights)])
     total = functools.reduce(lambda a, b: a + b, weights)
     out_ref.at[bg, row, pl.ds(block * per_cta, per_cta)][...] = acc * (
         1.0 / jnp.where(total == 0.0, jnp.float32(1.0), total))
@@ -1432,7 +1513,8 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
                      plgpu.SMEM((splits, 4), jnp.float32),
                      plgpu.Barrier(num_arrivals=2)],
       grid=(bg_count, rows, dv // cols), grid_names=("bg", "row", "col"), interpret=interpret)
-  return kernel(o_view, lse_part).reshape(bg_count, rows, dv)
+  operands = (o_view, lse_part) if live_counts is None else (live_counts, o_view, lse_part)
+  return kernel(*operands).reshape(bg_count, rows, dv)
 
 
 def _as_bf16(x):

@@ -165,6 +165,40 @@ def test_merges_agree_with_empty_and_far_apart_splits():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
 
 
+def test_merges_select_unwritten_splits_away():
+  # Options.live_splits: splits at or past a request's own count are never written, so their
+  # partials and log-sum-exps hold whatever the buffer held (NaN, inf, huge values here). Each
+  # merge must give the float64 merge of the written splits alone.
+  rng = np.random.default_rng(6)
+  bg, n_rt, splits, dv, rt = 3, 2, 6, 128, 16
+  counts = np.array([1, 4, 6], np.int32)
+  o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
+  lse = (rng.standard_normal((bg, splits, n_rt, rt)) * 20).astype(np.float32)
+  lse[:, :, -1, -4:] = -np.inf  # padding rows of the last tile
+  rows = n_rt * rt - 4
+  written = np.arange(splits)[None, :] < counts[:, None]
+  want_lse = np.where(written[:, :, None, None], lse, -np.inf).astype(np.float64)
+  with np.errstate(invalid="ignore"):
+    weight = np.exp2(want_lse - want_lse.max(axis=1, keepdims=True))
+  weight = np.where(written[:, :, None, None], weight, 0.0)
+  want = (weight[..., None] * np.where(written[:, :, None, None, None], o, 0.0)).sum(1)
+  want = (want / weight.sum(1)[..., None]).reshape(bg, n_rt * rt, dv)[:, :rows]
+  garbage = np.array([np.nan, np.inf, -np.inf, 3e38], np.float32)
+  unwritten = ~written
+  o[unwritten] = rng.choice(garbage, size=o[unwritten].shape)
+  lse[unwritten] = rng.choice(np.array([np.nan, np.inf, 1e30], np.float32), size=lse[unwritten].shape)
+  for merge in ("pairwise", "two_pass", "kernel"):
+    pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
+                  num_splits=splits, rows_stored=rt, reduction_scratch=2048, value_wgs=1,
+                  options=ta.Options(merge=merge, live_splits=True))
+    got = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows, interpret=INTERPRET,
+                               live_counts=jnp.asarray(counts)))
+    if merge == "kernel":
+      check_no_races()
+    assert got.shape == want.shape and np.isfinite(got).all(), merge
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=merge)
+
+
 @pytest.mark.parametrize("dv,columns", [(384, 0), (384, 384), (1024, 0), (1024, 512)])
 def test_merge_kernel_row_mapping_and_wide_rows(dv, columns):
   # The merge kernel (one CTA per output row and column block) on two row tiles of 16 rows, a row
@@ -540,6 +574,104 @@ def test_long_split_kimi_widths(form):
   # Up to 5 tiles per CTA against 2 KV stages, bf16 inputs.
   run_long_split(2, q_len=17, heads=8, latent=512, rope=64, cache_len=300, prefix=[280, 150], form=form,
                  dtype=jnp.bfloat16)
+
+
+def split_rule(tiles: int, ctas_per_split: int, sms: int = 132) -> int:
+  """The split-count rule as first written (a scalar loop), the reference for the table."""
+  best, best_cost = 1, None
+  for splits in range(1, max(1, min(tiles, 4 * sms)) + 1):
+    cost = -(-ctas_per_split * splits // sms) * (tiles / splits + 2.0)
+    if best_cost is None or cost < best_cost * 0.98:
+      best, best_cost = splits, cost
+  return best
+
+
+def test_split_counts_match_the_scalar_rule():
+  # The vectorised table behind both the launched count and Options.live_splits' per-request
+  # counts gives the scalar rule's count for every live length (132 SMs off the GPU).
+  for ctas in (1, 3, 17, 136, 500, 2000):
+    table = ta._split_counts(700, ctas)
+    want = [split_rule(t, ctas) for t in range(701)]
+    np.testing.assert_array_equal(table, want, err_msg=f"ctas_per_split={ctas}")
+    assert ta._choose_splits(700, ctas) == want[700]
+  # A short context in a long pool: a few splits, not the pool's count (capped at it).
+  launched = split_rule(2048, 136)  # 128k columns, heads 64, batch 8, q_len 17
+  counts = ta._live_split_counts(jnp.asarray([0, 64, 65, 4096, 131072]), cache_len=131072,
+                                 ctas_per_split=136, num_splits=launched)
+  want = [min(launched, split_rule(t, 136)) for t in (0, 1, 2, 64, 2048)]
+  np.testing.assert_array_equal(np.asarray(counts), want)
+  assert want[3] < launched / 4 and want[4] == launched
+
+
+@pytest.mark.parametrize("form,merge,groups", [("rows_n", "pairwise", 0), ("rows_m", "kernel", 0),
+                                               ("rows_n", "two_pass", 2)])
+def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypatch):
+  # Options.live_splits: requests of 1, 5 and 15 live tiles in a pool of 16 launched splits get
+  # 1, 5 and 15 splits. The results match the reference, and the CTAs of the other splits write
+  # nothing: the interpreter fills outputs with NaN, so their log-sum-exps stay NaN (the merge
+  # selects them away), while every split below a request's count writes a number or -inf.
+  partials = {}
+  merge_fn = ta._merge
+
+  def capture(o_part, lse_part, pl_, rows, **kw):
+    partials.update(lse=np.asarray(lse_part), splits=pl_.num_splits, counts=kw["live_counts"])
+    return merge_fn(o_part, lse_part, pl_, rows, **kw)
+
+  monkeypatch.setattr(ta, "_merge", capture)
+  rng = np.random.default_rng(11)
+  batch, q_len, cache_len = 3, 9, 1000
+  slots, _, visibility, valid = random_window(rng, batch, q_len, cache_len)
+  prefix_len = jnp.asarray([40, 300, 900], jnp.int32)  # + 9: 1, 5 and 15 tiles
+  options = ta.Options(form=form, merge=merge, live_splits=True)
+  if groups:  # MHA: 2 KV groups of 4 query heads, separate V tiles
+    dim = 64
+    q = jnp.asarray(rng.standard_normal((batch, q_len, 4 * groups, dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((batch + 2, cache_len, groups, dim)), jnp.float32)
+            for _ in range(2))
+    got = ta.mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, scale=0.125,
+                                interpret=INTERPRET, partial_dtype="float32", options=options)
+    want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
+                                        valid, scale=0.125)
+  else:
+    q_lat, q_rope = (rng.standard_normal((batch, q_len, 2, d)).astype(np.float32) for d in (128, 32))
+    c_kv, k_pe = (rng.standard_normal((batch + 2, cache_len, d)).astype(np.float32) for d in (128, 32))
+    args = [jnp.asarray(x) for x in (q_lat, q_rope, c_kv, k_pe)]
+    got = ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=0.1,
+                                interpret=INTERPRET, partial_dtype="float32", options=options)
+    want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
+                                        scale=0.1)
+  check_no_races()
+  assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
+  per_request = np.repeat([1, 5, 15], max(groups, 1))  # bg = b * G + g
+  assert partials["splits"] == 16
+  np.testing.assert_array_equal(np.asarray(partials["counts"]), per_request)
+  lse = partials["lse"]
+  for bg, count in enumerate(per_request):
+    assert not np.isnan(lse[bg, :count]).any(), bg
+    assert np.isnan(lse[bg, count:]).all(), bg
+
+
+def test_live_splits_lower_for_cuda_and_need_matching_metadata():
+  # At Kimi's widths both forms and both merges pass Mosaic GPU's lowering with the per-request
+  # counts; metadata prepared without them is refused by a call that uses them.
+  sds = jax.ShapeDtypeStruct
+  for b, q, merge in ((1, 17, "auto"), (2, 9, "auto"), (4, 17, "pairwise"), (1, 1, "auto")):
+    args = (sds((b, q, 8, 512), jnp.bfloat16), sds((b, q, 8, 64), jnp.bfloat16),
+            sds((2, 32768, 512), jnp.bfloat16), sds((2, 32768, 64), jnp.bfloat16),
+            sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, q, q), jnp.bool_), sds((b, q), jnp.bool_))
+    f = functools.partial(ta.mla_tree_attention, scale=0.1,
+                          options=ta.Options(live_splits=True, merge=merge))
+    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  window = random_window(np.random.default_rng(4), 2, 17, 300)
+  kw = dict(heads=8, latent_dim=512, rope_dim=64, cache_len=300)
+  meta = ta.prepare_mla_window(*window, **kw)
+  live = ta.prepare_mla_window(*window, **kw, options=ta.Options(live_splits=True))
+  assert dict(meta.layout)["live_splits"] == 0 and dict(live.layout)["live_splits"] > 0
+  q = jnp.zeros((2, 17, 8, 512), jnp.bfloat16), jnp.zeros((2, 17, 8, 64), jnp.bfloat16)
+  pools = jnp.zeros((4, 300, 512), jnp.bfloat16), jnp.zeros((4, 300, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="live_splits 0 \\(prepared\\) != "):
+    ta.mla_tree_attention(*q, *pools, *window, scale=0.1, window_meta=meta,
+                          options=ta.Options(live_splits=True))
 
 
 def test_window_mask_bits_unpack_to_window_mask():

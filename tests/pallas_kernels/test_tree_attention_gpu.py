@@ -118,6 +118,17 @@ def test_mla_merge_kernel_at_kimi_widths(q_len, num_splits):
   np.testing.assert_allclose(got, xla, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_len,heads,merge", [(17, 8, "auto"), (9, 8, "auto"), (17, 64, "pairwise"),
+                                              (1, 8, "auto")])
+def test_mla_live_splits_at_kimi_widths(q_len, heads, merge):
+  # Options.live_splits in a 20k pool with random lengths (most far shorter than the pool): each
+  # request split by its own length, the CTAs past its count idle; both merges and both forms.
+  kw = dict(batch=4, q_len=q_len, heads=heads, latent=512, rope=64, cache_len=20000 + q_len)
+  options = ta.Options(live_splits=True, merge=merge)
+  got, want, valid = mla_case(q_len + 500, **kw, options=options)
+  assert_matches(got, want, valid, atol=default_atol(**kw, options=options))
+
+
 def test_mla_demo_widths():
   got, want, valid = mla_case(7, batch=4, q_len=65, heads=6, latent=128, rope=32, cache_len=700,
                               dtype=jnp.float32)
