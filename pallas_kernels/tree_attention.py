@@ -244,7 +244,8 @@ class Options:
     of the splits past it return at once, loading and storing nothing, and both merges select
     those splits away (their partials are never written). Off by default until timed on the
     H200 (``bench_tree_attention.py --variants``, "live splits"); the merge still reads every
-    launched split's partials.
+    launched split's partials, and the count assumes the batch's other requests are as long (in
+    a mixed batch a long request can get fewer splits than the launched count would give it).
   """
 
   lazy_sum: bool = True
@@ -407,7 +408,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   if auto_partials:
     partial_dtype = "float32"  # bf16 partials from registers were slower (see Options.epilogue)
   if num_splits is None:
-    num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
+    num_splits = _choose_splits(-(-cache_len // BLOCK_KV),
+                                _ctas_per_split(num_work, num_row_tiles))
   rows_stored = min(rt, _round_up(rows, 8)) if num_row_tiles == 1 else rt
   pv = options.pv
   if value_wgs == 1:
@@ -482,7 +484,8 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
                 f"{ROWS_M}-row query tile do not fit {SMEM_LIMIT} bytes of shared memory")
   num_row_tiles = -(-rows // ROWS_M)
   if num_splits is None:
-    num_splits = _choose_splits(-(-cache_len // BLOCK_KV), num_work * num_row_tiles)
+    num_splits = _choose_splits(-(-cache_len // BLOCK_KV),
+                                _ctas_per_split(num_work, num_row_tiles))
   options = dataclasses.replace(options, form="rows_m", pv="split", lazy_sum=False,
                                 epilogue=epilogue)
   return Plan(rows_per_tile=ROWS_M, num_row_tiles=num_row_tiles, swizzle=swizzle,
@@ -499,17 +502,17 @@ def _choose_splits(tiles: int, ctas_per_split: int) -> int:
   used to get one split per request); the 2% margin keeps the smaller count on near-ties, since
   every split adds a partial output to merge.
   """
-  return int(_split_counts(tiles, ctas_per_split)[tiles])
+  return int(_split_counts(tiles, ctas_per_split, num_sms())[tiles])
 
 
 @functools.lru_cache(maxsize=256)
-def _split_counts(max_tiles: int, ctas_per_split: int) -> np.ndarray:
-  """``_choose_splits(t, ctas_per_split)`` for every t in [0, max_tiles]: int32 [max_tiles + 1].
+def _split_counts(max_tiles: int, ctas_per_split: int, sms: int) -> np.ndarray:
+  """``_choose_splits(t, ctas_per_split)`` on ``sms`` SMs for every t in [0, max_tiles]: int32
+  [max_tiles + 1].
 
   Candidates 1 .. min(t, 4 x SMs), each taken over the best so far only when 2% cheaper, in
   increasing order (one numpy pass per candidate over all t).
   """
-  sms = num_sms()
   start_up = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
   tiles = np.arange(max_tiles + 1, dtype=np.float64)
   best = np.ones(max_tiles + 1, np.int32)
@@ -524,12 +527,24 @@ def _split_counts(max_tiles: int, ctas_per_split: int) -> np.ndarray:
 
 
 def _live_split_counts(live, *, cache_len: int, ctas_per_split: int, num_splits: int):
-  """Each request's split count for its live columns ``live`` (int32 [B], at most ``cache_len``):
-  ``_choose_splits`` of its live tiles, capped at the launched ``num_splits`` (``Options.
-  live_splits``); one gather from a constant table."""
-  table = np.minimum(_split_counts(-(-cache_len // BLOCK_KV), ctas_per_split), num_splits)
+  """Each request's split count for its live columns ``live`` (int32 [B], at most ``cache_len``;
+  ``Options.live_splits``): ``_choose_splits`` of its live tiles from a constant table, capped at
+  the launched ``num_splits``, then lowered to the splits that get columns. ``_split_range`` cuts
+  ``live`` into tile-aligned ranges of ``per = ceil(live / c)`` rounded up to a tile, so only
+  ``ceil(live / per)`` of ``c`` splits get any; with that count the ranges are the same, and no
+  active CTA is left with nothing to do."""
+  table = np.minimum(_split_counts(-(-cache_len // BLOCK_KV), ctas_per_split, num_sms()), num_splits)
   tiles = (live + BLOCK_KV - 1) // BLOCK_KV
-  return jnp.asarray(table, jnp.int32)[jnp.clip(tiles, 0, table.shape[0] - 1)]
+  counts = jnp.asarray(table, jnp.int32)[jnp.clip(tiles, 0, table.shape[0] - 1)]
+  per_split = (live + counts - 1) // counts
+  per_split = (per_split + BLOCK_KV - 1) // BLOCK_KV * BLOCK_KV
+  return jnp.where(live > 0, (live + per_split - 1) // jnp.maximum(per_split, 1), 1)
+
+
+def _ctas_per_split(num_work: int, num_row_tiles: int) -> int:
+  """CTAs of one split index across the grid (requests x groups x row tiles), on which the split
+  count's waves depend: the launched count (``plan``) and the per-request ones must agree."""
+  return num_work * num_row_tiles
 
 
 def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_len: int,
@@ -736,8 +751,8 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
   o_part [BG, splits, n_rt, rows_stored, Dv] and lse_part [BG, splits, n_rt, Rt]; then scratch.
   """
   named = _split_refs(refs, num_key_parts, shared_value)
-  (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange,
-   loaded, consumed, p_ready, p_free, q_barrier, done) = named
+  (_, _, _, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded,
+   consumed, p_ready, p_free, q_barrier, done) = named  # the GMEM inputs: the memory warpgroup's
 
   rt_rows = plan.rows_per_tile
   bk = BLOCK_KV
@@ -908,8 +923,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   tiles (``_stream_kv``). Refs as in ``_kernel`` (row tile 64, rows_stored 64).
   """
   named = _split_refs(refs, num_key_parts, shared_value)
-  (q_refs, key_refs, value_ref, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange,
-   loaded, consumed, p_ready, p_free, q_barrier, done) = named
+  (_, _, _, o_ref, lse_ref, key_smem, value_smem, q_smem, meta_smem, p_smem, exchange, loaded,
+   consumed, p_ready, p_free, q_barrier, done) = named  # the GMEM inputs: the memory warpgroup's
 
   rows, bk = plan.rows_per_tile, BLOCK_KV
   num_stages = plan.num_stages
@@ -1109,8 +1124,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
                         num_groups=num_groups, cache_len=cache_len, pl_=pl_, call_dims=call_dims)
   if window_meta is None:
     meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
-                        heads_per_group=heads_per_group, num_groups=num_groups, n_rt=n_rt,
-                        rows_per_tile=rt_rows, pl_=pl_)
+                        heads_per_group=heads_per_group, num_groups=num_groups, pl_=pl_)
   else:
     meta = _checked_meta(name, window_meta, layout)
   num_words = meta.shape[2] - 2
@@ -1165,7 +1179,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
 
 
 def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, heads_per_group,
-                 num_groups, n_rt, rows_per_tile, pl_: Plan):
+                 num_groups, pl_: Plan):
   """The kernel's per-row-tile metadata, int32 [BG, n_rt, 2 + W, Rt] (one XLA fusion).
 
   Row 0: prefix cut per query row (``prefix_len`` for real rows, 0 for padded ones); rows 1..W:
@@ -1175,6 +1189,7 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   ``q = (t * Rt + r) // heads_per_group``; rows past ``Q * heads_per_group`` see nothing.
   """
   batch = valid.shape[0]
+  n_rt, rows_per_tile = pl_.num_row_tiles, pl_.rows_per_tile
   words = window_mask_bits(visibility, valid)  # [B, Q, W]
   num_words = words.shape[-1]
   cut = jnp.where(valid, prefix_len[:, None], 0).astype(jnp.int32)  # [B, Q]
@@ -1187,8 +1202,9 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   live = jnp.minimum(prefix_len + q_len, cache_len)
   per_request = [slots, prefix_len, live]
   if pl_.options.live_splits:
-    per_request.append(_live_split_counts(live, cache_len=cache_len, ctas_per_split=batch * num_groups * n_rt,
-                                          num_splits=pl_.num_splits))
+    per_request.append(_live_split_counts(
+        live, cache_len=cache_len, ctas_per_split=_ctas_per_split(batch * num_groups, n_rt),
+        num_splits=pl_.num_splits))
   req = jnp.stack(per_request, axis=1).astype(jnp.int32)  # [B, 3 or 4]
   req = jnp.pad(req, ((0, 0), (0, rows_per_tile - req.shape[1])))
   req = jnp.broadcast_to(req[:, None, None, :], (batch, n_rt, 1, rows_per_tile))
@@ -1269,8 +1285,7 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
              rows_per_tile=rows_per_tile, options=options, query_dtype=jnp.bfloat16)
   meta = _window_meta(slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
                       q_len=q_len, cache_len=padded_len, heads_per_group=heads_per_group,
-                      num_groups=num_groups, n_rt=pl_.num_row_tiles,
-                      rows_per_tile=pl_.rows_per_tile, pl_=pl_)
+                      num_groups=num_groups, pl_=pl_)
   return WindowMeta(meta=meta, layout=_meta_layout(
       batch=batch, q_len=q_len, heads_per_group=heads_per_group, num_groups=num_groups,
       cache_len=padded_len, pl_=pl_, call_dims=call_dims))
@@ -1444,7 +1459,8 @@ def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0, itemsize: int = 4) 
           and splits * (cols * itemsize + 16) <= MERGE_SMEM_LIMIT)
 
 
-def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None, live_counts=None):
+def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None,
+                  live_counts=None):
   """The log-sum-exp merge as one Mosaic GPU kernel (``Options.merge="kernel"``).
 
   One CTA per output row (request-group ``bg``, row ``g`` of tile ``g // Rt``) and block of
@@ -1494,7 +1510,8 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
     if live_counts is not None:
       # Unwritten partials may hold anything (NaN, inf), which a weight of 0 would not cancel:
       # their log-sum-exps become -inf (weight 0) and their rows are read from split 0 instead,
-      # which every request writes.
+      # which every request writes (selecting a whole row by a scalar does not lower: Mosaic
+      # GPU has no implicit broadcast in warpgroup semantics, jax 0.11.2).
       count = count_ref[bg]
       lse = [jnp.where(s < count, x, -jnp.inf) for s, x in enumerate(lse)]
       source = [jnp.where(s < count, s, 0) for s in range(splits)]

@@ -576,7 +576,7 @@ def test_long_split_kimi_widths(form):
                  dtype=jnp.bfloat16)
 
 
-def split_rule(tiles: int, ctas_per_split: int, sms: int = 132) -> int:
+def split_rule(tiles: int, ctas_per_split: int, sms: int) -> int:
   """The split-count rule as first written (a scalar loop), the reference for the table."""
   best, best_cost = 1, None
   for splits in range(1, max(1, min(tiles, 4 * sms)) + 1):
@@ -588,19 +588,27 @@ def split_rule(tiles: int, ctas_per_split: int, sms: int = 132) -> int:
 
 def test_split_counts_match_the_scalar_rule():
   # The vectorised table behind both the launched count and Options.live_splits' per-request
-  # counts gives the scalar rule's count for every live length (132 SMs off the GPU).
+  # counts gives the scalar rule's count for every live length.
+  sms = ta.num_sms()
   for ctas in (1, 3, 17, 136, 500, 2000):
-    table = ta._split_counts(700, ctas)
-    want = [split_rule(t, ctas) for t in range(701)]
+    table = ta._split_counts(700, ctas, sms)
+    want = [split_rule(t, ctas, sms) for t in range(701)]
     np.testing.assert_array_equal(table, want, err_msg=f"ctas_per_split={ctas}")
     assert ta._choose_splits(700, ctas) == want[700]
-  # A short context in a long pool: a few splits, not the pool's count (capped at it).
-  launched = split_rule(2048, 136)  # 128k columns, heads 64, batch 8, q_len 17
-  counts = ta._live_split_counts(jnp.asarray([0, 64, 65, 4096, 131072]), cache_len=131072,
-                                 ctas_per_split=136, num_splits=launched)
-  want = [min(launched, split_rule(t, 136)) for t in (0, 1, 2, 64, 2048)]
-  np.testing.assert_array_equal(np.asarray(counts), want)
-  assert want[3] < launched / 4 and want[4] == launched
+  # A short context in a long pool: a few splits, not the pool's count (capped at it), lowered to
+  # the splits that get columns (each gets ceil(live / count) rounded up to a 64-column tile).
+  launched = split_rule(2048, 136, sms)  # 128k columns, heads 64, batch 8, q_len 17
+  live = np.array([0, 1, 64, 65, 700, 4113, 100_000, 131072])
+  counts = np.asarray(ta._live_split_counts(jnp.asarray(live, jnp.int32), cache_len=131072,
+                                            ctas_per_split=136, num_splits=launched))
+  for n, c in zip(live, counts):
+    rule = min(launched, split_rule(-(-n // 64), 136, sms))
+    assert 1 <= c <= rule, (n, c, rule)
+    if n:
+      per = -(-(-(-n // c)) // 64) * 64  # the kernel's range per split for this count
+      assert (c - 1) * per < n <= c * per, (n, c)  # every split gets columns, all are covered
+      assert per == -(-(-(-n // rule)) // 64) * 64, (n, c)  # the same ranges as the rule's count
+  assert counts[5] < launched / 4 and counts[-1] == launched
 
 
 @pytest.mark.parametrize("form,merge,groups", [("rows_n", "pairwise", 0), ("rows_m", "kernel", 0),

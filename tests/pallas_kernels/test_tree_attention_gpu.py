@@ -34,9 +34,10 @@ def needs_gpu():
 
 
 def mla_case(seed, *, batch, q_len, heads, latent, rope, cache_len, num_splits=None,
-             dtype=jnp.bfloat16, options=None, partial_dtype="auto"):
+             dtype=jnp.bfloat16, options=None, partial_dtype="auto", prefix_len=None):
   rng = np.random.default_rng(seed)
-  slots, prefix_len, visibility, valid = random_window(rng, batch, q_len, cache_len)
+  slots, random_prefix, visibility, valid = random_window(rng, batch, q_len, cache_len)
+  prefix_len = random_prefix if prefix_len is None else jnp.asarray(prefix_len, jnp.int32)
   pool = batch + 2
   args = [jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
       (batch, q_len, heads, latent), (batch, q_len, heads, rope), (pool, cache_len, latent),
@@ -121,11 +122,18 @@ def test_mla_merge_kernel_at_kimi_widths(q_len, num_splits):
 @pytest.mark.parametrize("q_len,heads,merge", [(17, 8, "auto"), (9, 8, "auto"), (17, 64, "pairwise"),
                                               (1, 8, "auto")])
 def test_mla_live_splits_at_kimi_widths(q_len, heads, merge):
-  # Options.live_splits in a 20k pool with random lengths (most far shorter than the pool): each
-  # request split by its own length, the CTAs past its count idle; both merges and both forms.
+  # Options.live_splits in a 20k pool with contexts of 100 to 19000 columns: each request split
+  # by its own length (some below the launched count, so some CTAs idle); both forms and merges.
   kw = dict(batch=4, q_len=q_len, heads=heads, latent=512, rope=64, cache_len=20000 + q_len)
   options = ta.Options(live_splits=True, merge=merge)
-  got, want, valid = mla_case(q_len + 500, **kw, options=options)
+  prefix = [100, 1000, 4000, 19000]
+  pl_ = ta.plan(q_len=q_len, heads_per_group=heads, num_work=4, key_dims=(512, 64), value_dim=512,
+                shared_value=True, cache_len=ta._padded_cache_len(kw["cache_len"]), options=options)
+  counts = ta._live_split_counts(jnp.asarray(prefix, jnp.int32) + q_len,
+                                 cache_len=ta._padded_cache_len(kw["cache_len"]),
+                                 ctas_per_split=4 * pl_.num_row_tiles, num_splits=pl_.num_splits)
+  assert int(counts.min()) < pl_.num_splits
+  got, want, valid = mla_case(q_len + 500, **kw, options=options, prefix_len=prefix)
   assert_matches(got, want, valid, atol=default_atol(**kw, options=options))
 
 

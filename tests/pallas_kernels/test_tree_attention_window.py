@@ -33,14 +33,16 @@ def mla_inputs(rng, *, batch, q_len, heads, latent, rope, cache_len):
   return args, window
 
 
-@pytest.mark.parametrize("form,q_len,heads,num_splits", [("auto", 9, 2, 3), ("rows_m", 17, 4, 1)])
-def test_mla_precomputed_meta_is_bit_identical(form, q_len, heads, num_splits):
+@pytest.mark.parametrize("form,q_len,heads,num_splits,live_splits", [
+    ("auto", 9, 2, 3, False), ("rows_m", 17, 4, 1, False), ("auto", 9, 2, None, True)])
+def test_mla_precomputed_meta_is_bit_identical(form, q_len, heads, num_splits, live_splits):
   # Cache length 203 (padded to 208 inside): the meta is built for the padded pool, as the call
   # pads it. One split: the merge is skipped, so this also runs that path against the reference.
+  # With live_splits the meta also carries each request's split count (4 launched here).
   rng = np.random.default_rng(11 + q_len)
   args, window = mla_inputs(rng, batch=2, q_len=q_len, heads=heads, latent=128, rope=32,
                             cache_len=203)
-  options = ta.Options(form=form)
+  options = ta.Options(form=form, live_splits=live_splits)
   call = functools.partial(ta.mla_tree_attention, *args, *window, scale=0.09, interpret=INTERPRET,
                            num_splits=num_splits, options=options)
   one_call = np.asarray(call())
