@@ -134,8 +134,9 @@ def make_pool(batch, cache_len, rotations, key):
   return c_kv, k_pe
 
 
-def window(batch, q_len, cached, key):
-  """A random tree per request (chain-heavy, like DDTree output) with a few padded rows."""
+def window(batch, q_len, cached, key, mixed=False):
+  """A random tree per request (chain-heavy, like DDTree output) with a few padded rows; every
+  request ``cached`` long, or with ``mixed`` lengths from cached / 32 up to cached (geometric)."""
   rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 1 << 30)))
   parents = np.full((batch, q_len), -1, np.int32)
   for i in range(1, q_len):
@@ -146,13 +147,17 @@ def window(batch, q_len, cached, key):
   from ddtree_jax.tree import visibility_from_parents
   visibility = visibility_from_parents(jnp.asarray(parents), jnp.asarray(valid))
   prefix = jnp.full((batch,), cached, jnp.int32)
+  if mixed:
+    prefix = jnp.asarray(np.round(cached * np.exp2(-np.linspace(5, 0, batch))), jnp.int32)
   return prefix, visibility, jnp.asarray(valid)
 
 
-def cell_metrics(heads, batch, cached, q_len, seconds, bandwidth, peak):
-  tokens = cached + q_len
-  bytes_moved = batch * tokens * BYTES_PER_TOKEN
-  flops = batch * 2 * heads * q_len * (LATENT + ROPE + LATENT) * tokens
+def cell_metrics(heads, batch, cached, q_len, seconds, bandwidth, peak, prefix=None):
+  """Bytes, FLOPs and the roofline of a cell; ``prefix``: each request's cached length where
+  they differ (default: all ``cached``)."""
+  tokens = batch * (cached + q_len) if prefix is None else int(np.sum(np.asarray(prefix) + q_len))
+  bytes_moved = tokens * BYTES_PER_TOKEN
+  flops = 2 * heads * q_len * (LATENT + ROPE + LATENT) * tokens
   roof = max(bytes_moved / bandwidth, flops / peak)
   return dict(bytes=bytes_moved, flops=flops, roofline_us=roof * 1e6,
               bytes_per_s=bytes_moved / seconds, flops_per_s=flops / seconds,
@@ -167,16 +172,17 @@ def reference_fits(heads, batch, cached, q_len):
 
 def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_splits=None,
              partial_dtype="auto", check=True, rows_per_tile=None, options=None,
-             time_reference=True):
+             time_reference=True, mixed=False):
   c_kv, k_pe = pool
   rotations = c_kv.shape[0] // batch
   key = jax.random.key(heads * 1000003 + batch * 101 + cached + q_len)
   kq, kr, kw = jax.random.split(key, 3)
   q_lat = jax.random.normal(kq, (batch, q_len, heads, LATENT), jnp.bfloat16)
   q_rope = jax.random.normal(kr, (batch, q_len, heads, ROPE), jnp.bfloat16)
-  prefix, visibility, valid = window(batch, q_len, cached, kw)
+  prefix, visibility, valid = window(batch, q_len, cached, kw, mixed=mixed)
+  lengths = prefix if mixed else None
   slot_sets = [jnp.arange(r * batch, (r + 1) * batch, dtype=jnp.int32) for r in range(rotations)]
-  est = cell_metrics(heads, batch, cached, q_len, 1.0, bandwidth, peak)["roofline_us"] * 1e-6
+  est = cell_metrics(heads, batch, cached, q_len, 1.0, bandwidth, peak, lengths)["roofline_us"] * 1e-6
   calls = int(min(max(args.min_calls, 0.15 / max(est * 3, 1e-6)), args.max_calls))
   arg_sets = [(q_lat, q_rope, c_kv, k_pe, slot_sets[i % rotations], prefix, visibility, valid)
               for i in range(calls)]
@@ -219,7 +225,9 @@ def run_cell(heads, batch, cached, q_len, pool, bandwidth, peak, args, num_split
   row["partials"] = plan.partial_dtype  # what "auto" became
   row.update(rows_per_tile=plan.rows_per_tile, row_tiles=plan.num_row_tiles,
              splits=plan.num_splits, value_wgs=plan.value_wgs)
-  row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak))
+  row.update(cell_metrics(heads, batch, cached, q_len, total_ms * 1e-3, bandwidth, peak, lengths))
+  if mixed:
+    row["cached_per_request"] = [int(n) for n in np.asarray(prefix)]
   row["kernel_only_roofline_fraction"] = row["roofline_us"] / row["kernel_us"]
   row["layer_roofline_fraction"] = row["roofline_us"] / row["layer_us"]
   if check and reference_fits(heads, batch, cached, q_len):
@@ -317,6 +325,11 @@ def variant_list():
                (64, 32, 4096, 17), (8, 1, 4096, 17), (8, 8, 131072, 17), (64, 8, 131072, 9)]:
     out.append((cell, "live splits: default (pool's count)", dict()))
     out.append((cell, "live splits", dict(options=O(live_splits=True))))
+  # The same in batches of mixed lengths (cached / 32 .. cached): the per-request count assumes
+  # the others are as long, so the longest request may get fewer splits than the default's.
+  for cell in [(8, 8, 131072, 17), (64, 8, 131072, 9), (8, 32, 32768, 9)]:
+    out.append((cell, "live splits, mixed lengths: default", dict(mixed=True)))
+    out.append((cell, "live splits, mixed lengths", dict(mixed=True, options=O(live_splits=True))))
   out += [(goal, "probe: no loads", dict(options=O(probe="noload"))),
           (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
           (goal, "probe: no P V", dict(options=O(probe="nopv"))),
