@@ -318,15 +318,16 @@ def variant_list():
     for regs in ((232, 232), (240, 224), (248, 216), (256, 208)):  # 232/232: the default, as a same-run baseline
       out.append((cell, f"rows_m registers {regs[0]}/{regs[1]}",
                   dict(options=O(form="rows_m", regs=regs))))
-  # Options.live_splits: each request split by its own live length, not the pool's (the launched
-  # count); short contexts in a long pool (run with --cached 4096 131072: a 132k pool, as in the
-  # grid), beside long ones where nothing should change. The default in the same run first.
+  # Options.live_splits: each request split by a count chosen from the live lengths, not by the
+  # pool's (the launched count); short contexts in a long pool (run with --cached 4096 131072:
+  # a 132k pool, as in the grid), beside long ones where nothing should change. The default in
+  # the same run first.
   for cell in [(64, 8, 4096, 17), (64, 8, 4096, 9), (8, 8, 4096, 17), (8, 32, 4096, 9),
                (64, 32, 4096, 17), (8, 1, 4096, 17), (8, 8, 131072, 17), (64, 8, 131072, 9)]:
     out.append((cell, "live splits: default (pool's count)", dict()))
     out.append((cell, "live splits", dict(options=O(live_splits=True))))
-  # The same in batches of mixed lengths (cached / 32 .. cached): the per-request count assumes
-  # the others are as long, so the longest request may get fewer splits than the default's.
+  # The same in batches of mixed lengths (cached / 32 .. cached), where the counts differ within
+  # the batch and the longest request sets the time.
   for cell in [(8, 8, 131072, 17), (64, 8, 131072, 9), (8, 32, 32768, 9)]:
     out.append((cell, "live splits, mixed lengths: default", dict(mixed=True)))
     out.append((cell, "live splits, mixed lengths", dict(mixed=True, options=O(live_splits=True))))

@@ -69,9 +69,9 @@ Layout of the work (why it is shaped this way):
     A plan with one split has nothing to merge: the partial is the output (no merge kernel).
     The launched split count comes from the pool's length (static); a short context in a long
     pool then gets many splits of two or three tiles. ``Options.live_splits`` splits each
-    request by its own live length instead (a count per request in the window metadata; the CTAs
-    past it return at once and the merges select them away); built and tested, not yet timed,
-    so off by default.
+    request by a count chosen at run time from the batch's live lengths instead (in the window
+    metadata; the CTAs past it return at once and the merges select them away); built and
+    tested, not yet timed, so off by default.
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
@@ -137,7 +137,6 @@ from typing import NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -237,15 +236,16 @@ class Options:
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
     no masks, reductions or exponentials; form "rows_n" only), "nopv" (no V^T P^T products),
     "nostore" (the partial outputs are computed but not written; form "rows_m" only).
-  live_splits: split each request's live columns by the count ``_choose_splits`` gives its live
-    length (capped at the launched ``num_splits``, which the pool's length sets), not by the
+  live_splits: split each request's live columns by a count chosen from the live lengths at run
+    time (capped at the launched ``num_splits``, which the pool's length sets), not by the
     launched count: a short context in a long pool then runs few long splits instead of many of
-    two or three tiles. The count goes into the window metadata (``_live_split_counts``); the CTAs
-    of the splits past it return at once, loading and storing nothing, and both merges select
-    those splits away (their partials are never written). Off by default until timed on the
-    H200 (``bench_tree_attention.py --variants``, "live splits"); the merge still reads every
-    launched split's partials, and the count assumes the batch's other requests are as long (in
-    a mixed batch a long request can get fewer splits than the launched count would give it).
+    two or three tiles. The counts are chosen for the whole batch by the launched count's cost
+    model (``_live_split_counts``: a long request keeps its splits, short ones beside it take
+    few) and go into the window metadata; the CTAs of the splits past a request's count return at
+    once, loading and storing nothing, and both merges select those splits away (their partials
+    are never written). Off by default until timed on the H200 (``bench_tree_attention.py
+    --variants``, "live splits", uniform and mixed lengths); the merge still reads every launched
+    split's partials.
   """
 
   lazy_sum: bool = True
@@ -494,6 +494,9 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
               form="rows_m")
 
 
+START_UP_TILES = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
+
+
 def _choose_splits(tiles: int, ctas_per_split: int) -> int:
   """KV splits per request: the count minimising (waves) x (tiles per CTA + start-up).
 
@@ -502,48 +505,54 @@ def _choose_splits(tiles: int, ctas_per_split: int) -> int:
   used to get one split per request); the 2% margin keeps the smaller count on near-ties, since
   every split adds a partial output to merge.
   """
-  return int(_split_counts(tiles, ctas_per_split, num_sms())[tiles])
-
-
-@functools.lru_cache(maxsize=256)
-def _split_counts(max_tiles: int, ctas_per_split: int, sms: int) -> np.ndarray:
-  """``_choose_splits(t, ctas_per_split)`` on ``sms`` SMs for every t in [0, max_tiles]: int32
-  [max_tiles + 1].
-
-  Candidates 1 .. min(t, 4 x SMs), each taken over the best so far only when 2% cheaper, in
-  increasing order (one numpy pass per candidate over all t).
-  """
-  start_up = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
-  tiles = np.arange(max_tiles + 1, dtype=np.float64)
-  best = np.ones(max_tiles + 1, np.int32)
-  best_cost = -(-ctas_per_split // sms) * (tiles + start_up)
-  for splits in range(2, min(max_tiles, 4 * sms) + 1):
-    cost = -(-ctas_per_split * splits // sms) * (tiles / splits + start_up)
-    better = (splits <= tiles) & (cost < best_cost * 0.98)
-    best = np.where(better, splits, best).astype(np.int32)
-    best_cost = np.where(better, cost, best_cost)
-  best.setflags(write=False)  # cached: shared by every caller
+  sms = num_sms()
+  best, best_cost = 1, None
+  for splits in range(1, max(1, min(tiles, 4 * sms)) + 1):
+    waves = -(-ctas_per_split * splits // sms)
+    cost = waves * (tiles / splits + START_UP_TILES)
+    if best_cost is None or cost < best_cost * 0.98:
+      best, best_cost = splits, cost
   return best
 
 
-def _live_split_counts(live, *, cache_len: int, ctas_per_split: int, num_splits: int):
-  """Each request's split count for its live columns ``live`` (int32 [B], at most ``cache_len``;
-  ``Options.live_splits``): ``_choose_splits`` of its live tiles from a constant table, capped at
-  the launched ``num_splits``, then lowered to the splits that get columns. ``_split_range`` cuts
-  ``live`` into tile-aligned ranges of ``per = ceil(live / c)`` rounded up to a tile, so only
-  ``ceil(live / per)`` of ``c`` splits get any; with that count the ranges are the same, and no
-  active CTA is left with nothing to do."""
-  table = np.minimum(_split_counts(-(-cache_len // BLOCK_KV), ctas_per_split, num_sms()), num_splits)
-  tiles = (live + BLOCK_KV - 1) // BLOCK_KV
-  counts = jnp.asarray(table, jnp.int32)[jnp.clip(tiles, 0, table.shape[0] - 1)]
-  per_split = (live + counts - 1) // counts
-  per_split = (per_split + BLOCK_KV - 1) // BLOCK_KV * BLOCK_KV
-  return jnp.where(live > 0, (live + per_split - 1) // jnp.maximum(per_split, 1), 1)
+def _live_split_counts(live, *, ctas_per_request_split: int, num_splits: int):
+  """Each request's split count for its live columns (``Options.live_splits``): int32 [B].
+
+  The batch is one grid, so the counts are chosen together, by the launched count's cost model
+  (``_choose_splits``: waves x (tiles of a CTA + start-up)) applied to the whole batch: for a
+  target of ``per`` tiles a split, request b takes ``clip(ceil(t_b / per), 1, num_splits)``
+  splits; the waves count all requests' CTAs (``ctas_per_request_split`` each: groups x row
+  tiles) and the busiest CTA sets the time. Every count vector is reached at some
+  ``per = ceil(t_b / k)`` (k = 1 .. num_splits), so those are the candidates; among those
+  within 2% of the cheapest, the fewest splits in all. One long request in a batch of short ones
+  then keeps its splits (it sets the time) and the short ones take few. Last, each count is
+  lowered to the splits that get columns: ``_split_range`` cuts ``live`` into tile-aligned
+  ranges of ``ceil(live / c)`` rounded up to a tile, of which only ``ceil(live / range)`` are
+  non-empty; with that count the ranges are the same.
+
+  Args:
+    live: int32 [B], each request's live columns (positive).
+  """
+  sms = num_sms()
+  tiles = jnp.maximum((live + BLOCK_KV - 1) // BLOCK_KV, 1)  # [B]
+  k = jnp.arange(1, num_splits + 1, dtype=jnp.int32)
+  per = ((tiles[:, None] + k[None, :] - 1) // k[None, :]).reshape(-1)  # [B * S] candidates
+  counts = jnp.clip((tiles[None, :] + per[:, None] - 1) // per[:, None], 1, num_splits)  # [B*S, B]
+  total = jnp.sum(counts, axis=1)
+  waves = (ctas_per_request_split * total + sms - 1) // sms
+  busiest = jnp.max((tiles[None, :] + counts - 1) // counts, axis=1)
+  cost = waves.astype(jnp.float32) * (busiest.astype(jnp.float32) + START_UP_TILES)
+  near_best = cost <= jnp.min(cost) * 1.02
+  chosen = counts[jnp.argmin(jnp.where(near_best, total, jnp.iinfo(jnp.int32).max))]
+  range_cols = (live + chosen - 1) // chosen
+  range_cols = (range_cols + BLOCK_KV - 1) // BLOCK_KV * BLOCK_KV
+  return jnp.where(live > 0, (live + range_cols - 1) // jnp.maximum(range_cols, 1), 1)
 
 
 def _ctas_per_split(num_work: int, num_row_tiles: int) -> int:
-  """CTAs of one split index across the grid (requests x groups x row tiles), on which the split
-  count's waves depend: the launched count (``plan``) and the per-request ones must agree."""
+  """CTAs of one split index over ``num_work`` row sets (requests x groups; the groups of one
+  request for ``_live_split_counts``) and their row tiles: what the waves count in both the
+  launched count (``plan``) and the per-request ones."""
   return num_work * num_row_tiles
 
 
@@ -558,7 +567,7 @@ def _split_range(meta_ref, bg, split, *, num_words: int, num_splits: int, cache_
   window_start = meta_ref[bg, 0, 1 + num_words, 1]
   live = meta_ref[bg, 0, 1 + num_words, 2]
   active = None
-  if live_splits:  # the request's own count (``_live_split_counts``), as the merge reads it
+  if live_splits:  # the request's count (``_live_split_counts``), as the merge reads it
     num_splits = jnp.clip(meta_ref[bg, 0, 1 + num_words, 3], 1, num_splits)
     active = split < num_splits
   # Equal tile-aligned ranges of this request's live columns, one per split.
@@ -1203,8 +1212,7 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   per_request = [slots, prefix_len, live]
   if pl_.options.live_splits:
     per_request.append(_live_split_counts(
-        live, cache_len=cache_len, ctas_per_split=_ctas_per_split(batch * num_groups, n_rt),
-        num_splits=pl_.num_splits))
+        live, ctas_per_request_split=_ctas_per_split(num_groups, n_rt), num_splits=pl_.num_splits))
   req = jnp.stack(per_request, axis=1).astype(jnp.int32)  # [B, 3 or 4]
   req = jnp.pad(req, ((0, 0), (0, rows_per_tile - req.shape[1])))
   req = jnp.broadcast_to(req[:, None, None, :], (batch, n_rt, 1, rows_per_tile))
