@@ -325,12 +325,12 @@ def variant_list():
   for cell in [(64, 8, 4096, 17), (64, 8, 4096, 9), (8, 8, 4096, 17), (8, 32, 4096, 9),
                (64, 32, 4096, 17), (8, 1, 4096, 17), (8, 8, 131072, 17), (64, 8, 131072, 9)]:
     out.append((cell, "live splits: default (pool's count)", dict()))
-    out.append((cell, "live splits", dict(options=O(live_splits=True))))
+    out.append((cell, "live splits: on", dict(options=O(live_splits=True))))
   # The same in batches of mixed lengths (cached / 32 .. cached), where the counts differ within
   # the batch and the longest request sets the time.
   for cell in [(8, 8, 131072, 17), (64, 8, 131072, 9), (8, 32, 32768, 9)]:
-    out.append((cell, "live splits, mixed lengths: default", dict(mixed=True)))
-    out.append((cell, "live splits, mixed lengths", dict(mixed=True, options=O(live_splits=True))))
+    out.append((cell, "mixed lengths: default (pool's count)", dict(mixed=True)))
+    out.append((cell, "mixed lengths: live splits on", dict(mixed=True, options=O(live_splits=True))))
   out += [(goal, "probe: no loads", dict(options=O(probe="noload"))),
           (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
           (goal, "probe: no P V", dict(options=O(probe="nopv"))),

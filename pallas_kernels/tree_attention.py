@@ -515,7 +515,7 @@ def _choose_splits(tiles: int, ctas_per_split: int) -> int:
   return best
 
 
-def _live_split_counts(live, *, ctas_per_request_split: int, num_splits: int):
+def _live_split_counts(live, *, cache_len: int, ctas_per_request_split: int, num_splits: int):
   """Each request's split count for its live columns (``Options.live_splits``): int32 [B].
 
   The batch is one grid, so the counts are chosen together, by the launched count's cost model
@@ -523,27 +523,36 @@ def _live_split_counts(live, *, ctas_per_request_split: int, num_splits: int):
   target of ``per`` tiles a split, request b takes ``clip(ceil(t_b / per), 1, num_splits)``
   splits; the waves count all requests' CTAs (``ctas_per_request_split`` each: groups x row
   tiles) and the busiest CTA sets the time. Every count vector is reached at some
-  ``per = ceil(t_b / k)`` (k = 1 .. num_splits), so those are the candidates; among those
-  within 2% of the cheapest, the fewest splits in all. One long request in a batch of short ones
+  ``per = ceil(t_b / k)`` (k = 1 .. num_splits), so those are the candidates (or every ``per``
+  up to the pool's tiles, where that is fewer: the work stays B x min(B x S, pool tiles));
+  among those within 2% of the cheapest, the fewest splits in all. One long request in a batch of short ones
   then keeps its splits (it sets the time) and the short ones take few. Last, each count is
   lowered to the splits that get columns: ``_split_range`` cuts ``live`` into tile-aligned
   ranges of ``ceil(live / c)`` rounded up to a tile, of which only ``ceil(live / range)`` are
   non-empty; with that count the ranges are the same.
 
   Args:
-    live: int32 [B], each request's live columns (positive).
+    live: int32 [B], each request's live columns (positive, at most ``cache_len``).
   """
   sms = num_sms()
+  pool_tiles = -(-cache_len // BLOCK_KV)
   tiles = jnp.maximum((live + BLOCK_KV - 1) // BLOCK_KV, 1)  # [B]
-  k = jnp.arange(1, num_splits + 1, dtype=jnp.int32)
-  per = ((tiles[:, None] + k[None, :] - 1) // k[None, :]).reshape(-1)  # [B * S] candidates
-  counts = jnp.clip((tiles[None, :] + per[:, None] - 1) // per[:, None], 1, num_splits)  # [B*S, B]
+
+  def split_counts(per):
+    return jnp.clip((tiles + per - 1) // per, 1, num_splits)
+
+  if live.shape[0] * num_splits <= pool_tiles:
+    k = jnp.arange(1, num_splits + 1, dtype=jnp.int32)
+    per = ((tiles[:, None] + k[None, :] - 1) // k[None, :]).reshape(-1)  # [B * S]
+  else:
+    per = jnp.arange(1, pool_tiles + 1, dtype=jnp.int32)
+  counts = jax.vmap(split_counts)(per)  # [candidates, B]
   total = jnp.sum(counts, axis=1)
   waves = (ctas_per_request_split * total + sms - 1) // sms
   busiest = jnp.max((tiles[None, :] + counts - 1) // counts, axis=1)
   cost = waves.astype(jnp.float32) * (busiest.astype(jnp.float32) + START_UP_TILES)
   near_best = cost <= jnp.min(cost) * 1.02
-  chosen = counts[jnp.argmin(jnp.where(near_best, total, jnp.iinfo(jnp.int32).max))]
+  chosen = split_counts(per[jnp.argmin(jnp.where(near_best, total, jnp.iinfo(jnp.int32).max))])
   range_cols = (live + chosen - 1) // chosen
   range_cols = (range_cols + BLOCK_KV - 1) // BLOCK_KV * BLOCK_KV
   return jnp.where(live > 0, (live + range_cols - 1) // jnp.maximum(range_cols, 1), 1)
@@ -1212,7 +1221,8 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   per_request = [slots, prefix_len, live]
   if pl_.options.live_splits:
     per_request.append(_live_split_counts(
-        live, ctas_per_request_split=_ctas_per_split(num_groups, n_rt), num_splits=pl_.num_splits))
+        live, cache_len=cache_len, ctas_per_request_split=_ctas_per_split(num_groups, n_rt),
+        num_splits=pl_.num_splits))
   req = jnp.stack(per_request, axis=1).astype(jnp.int32)  # [B, 3 or 4]
   req = jnp.pad(req, ((0, 0), (0, rows_per_tile - req.shape[1])))
   req = jnp.broadcast_to(req[:, None, None, :], (batch, n_rt, 1, rows_per_tile))

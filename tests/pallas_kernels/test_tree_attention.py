@@ -582,19 +582,20 @@ def batch_split_cost(tiles, counts, ctas_per_request_split, sms):
   return waves * (max(-(-t // c) for t, c in zip(tiles, counts)) + 2.0)
 
 
-@pytest.mark.parametrize("lengths,ctas,launched", [
-    ([4113] * 8, 17, 27),  # heads 64, batch 8, 4k live in a 128k pool: the over-split cell
-    ([4113] * 8, 3, 44), ([40, 300, 900], 1, 16), ([131_000] * 4, 3, 44),
-    ([4096, 6720, 11026, 18089, 29679, 48693, 79889, 131072], 3, 11),  # mixed (bench cell)
-    ([100, 100, 100, 125_000], 3, 44), ([1, 64, 65, 129], 2, 300)])
-def test_live_split_counts_against_a_brute_force_search(lengths, ctas, launched):
+@pytest.mark.parametrize("lengths,ctas,launched,cache_len", [
+    ([4113] * 8, 17, 27, 135_168),  # heads 64, batch 8, 4k live in the grid's pool: over-split
+    ([4113] * 8, 3, 44, 135_168), ([40, 300, 900], 1, 16, 1000), ([131_000] * 4, 3, 44, 131_072),
+    ([4096, 6720, 11026, 18089, 29679, 48693, 79889, 131072], 3, 11, 135_168),  # the bench's mix
+    ([100, 100, 100, 125_000], 3, 44, 131_072), ([1, 64, 65, 129], 2, 300, 20_000),
+    ([50, 700, 900, 1000], 2, 16, 1024)])  # B x S above the pool's 16 tiles: every target
+def test_live_split_counts_against_a_brute_force_search(lengths, ctas, launched, cache_len):
   # Options.live_splits: the counts, chosen for the batch together, cost at most 2% more under
   # the cost model than the best over every tiles-per-split target (brute force), are capped at
   # the launched count, and every split below a request's count gets columns while the ranges
   # cover its live columns.
   sms = ta.num_sms()
   live = np.asarray(lengths)
-  counts = np.asarray(ta._live_split_counts(jnp.asarray(live, jnp.int32),
+  counts = np.asarray(ta._live_split_counts(jnp.asarray(live, jnp.int32), cache_len=cache_len,
                                             ctas_per_request_split=ctas, num_splits=launched))
   tiles = -(-live // 64)
   best = min(batch_split_cost(tiles, np.clip(-(-tiles // per), 1, launched), ctas, sms)
