@@ -244,8 +244,8 @@ class Options:
     few) and go into the window metadata; the CTAs of the splits past a request's count return at
     once, loading and storing nothing, and both merges select those splits away (their partials
     are never written). Off by default until timed on the H200 (``bench_tree_attention.py
-    --variants``, "live splits", uniform and mixed lengths); the merge still reads every launched
-    split's partials.
+    --variants --variant-match "live splits:"``, and ``"mixed lengths:"``); the merge still
+    reads every launched split's partials.
   """
 
   lazy_sum: bool = True
