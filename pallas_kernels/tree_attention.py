@@ -70,8 +70,8 @@ Layout of the work (why it is shaped this way):
     The launched split count comes from the pool's length (static); a short context in a long
     pool then gets many splits of two or three tiles. ``Options.live_splits`` splits each
     request by a count chosen at run time from the batch's live lengths instead (in the window
-    metadata; the CTAs past it return at once and the merges select them away); built and
-    tested, not yet timed, so off by default.
+    metadata; the CTAs past it return at once and the merges select them away); on by default
+    where a batch of more than one request runs more than one split.
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
@@ -243,9 +243,15 @@ class Options:
     model (``_live_split_counts``: a long request keeps its splits, short ones beside it take
     few) and go into the window metadata; the CTAs of the splits past a request's count return at
     once, loading and storing nothing, and both merges select those splits away (their partials
-    are never written). Off by default until timed on the H200 (``bench_tree_attention.py
-    --variants --variant-match "live splits:"``, and ``"mixed lengths:"``); the merge still
-    reads every launched split's partials.
+    are never written; the merge still reads every launched split's). True, False, or "auto"
+    (default): on where the grid holds more than one request-group and more than one split is
+    launched. H200, same run, per layer, on against off (``bench_tree_attention_live.md``): at
+    batch 8 and 32, 0.78x at h64 b8 4k q17 in a 132k pool (257 against 328 us), 0.85x, 0.92x
+    and 1.00x in batches of mixed lengths, 0.92-1.01x in the other uniform cells; at batch 1 it
+    only added the count's read to the merge (h8 b1 4k q17 15.2 against 13.3 us, the same kernel
+    time), so "auto" leaves it off there. A request's count then depends on its batch-mates'
+    lengths, so its rounding does too (the near-tie rule covers it, as it covers the batch
+    size's effect on the launched count).
   """
 
   lazy_sum: bool = True
@@ -258,7 +264,7 @@ class Options:
   merge_columns: int = 0
   epilogue: str = "auto"
   probe: str = ""
-  live_splits: bool = False
+  live_splits: bool | str = "auto"
 
 
 def _round_up(x: int, m: int) -> int:
@@ -341,6 +347,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown pv {options.pv!r}")
   if options.merge not in ("auto", "pairwise", "two_pass", "kernel"):
     raise ValueError(f"unknown merge {options.merge!r}")
+  if options.live_splits not in (True, False, "auto"):
+    raise ValueError(f"live_splits must be True, False or 'auto', got {options.live_splits!r}")
   if partial_dtype not in ("auto", "float32", "bfloat16"):
     raise ValueError(f"partial_dtype must be 'auto', 'float32' or 'bfloat16', got {partial_dtype!r}")
   auto_partials = partial_dtype == "auto"
@@ -424,7 +432,8 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   wg0_o_rows = value_dim // value_wgs if pv == "split" else 0
   lazy_sum = options.lazy_sum and (wg0_o_rows + 3 * BLOCK_KV) * rt // 128 <= 200
   options = dataclasses.replace(options, lazy_sum=lazy_sum, pv=pv, form="rows_n",
-                                epilogue="registers")
+                                epilogue="registers",
+                                live_splits=_live_splits_on(options, num_work, num_splits))
   spare = SMEM_BUDGET - _smem_bytes(rt, key_width, value_width, num_words, num_stages)
   scratch = options.reduction_scratch or max(
       REDUCTION_SCRATCH_BYTES, min(rt * 128, (spare + REDUCTION_SCRATCH_BYTES) // 1024 * 1024))
@@ -487,11 +496,20 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
     num_splits = _choose_splits(-(-cache_len // BLOCK_KV),
                                 _ctas_per_split(num_work, num_row_tiles))
   options = dataclasses.replace(options, form="rows_m", pv="split", lazy_sum=False,
-                                epilogue=epilogue)
+                                epilogue=epilogue,
+                                live_splits=_live_splits_on(options, num_work, num_splits))
   return Plan(rows_per_tile=ROWS_M, num_row_tiles=num_row_tiles, swizzle=swizzle,
               num_stages=stages[0], num_splits=num_splits, rows_stored=ROWS_M,
               reduction_scratch=0, value_wgs=2, partial_dtype=partial_dtype, options=options,
               form="rows_m")
+
+
+def _live_splits_on(options: Options, num_work: int, num_splits: int) -> bool:
+  """``Options.live_splits`` resolved: "auto" is on for more than one request-group and split
+  (with one request the launched count was as fast; with one split there is nothing to choose)."""
+  if options.live_splits == "auto":
+    return num_work > 1 and num_splits > 1
+  return bool(options.live_splits)
 
 
 START_UP_TILES = 2.0  # tiles' worth of per-CTA start-up (query tile, first KV tile, stores)
@@ -525,7 +543,9 @@ def _live_split_counts(live, *, cache_len: int, ctas_per_request_split: int, num
   tiles) and the busiest CTA sets the time. Every count vector is reached at some
   ``per = ceil(t_b / k)`` (k = 1 .. num_splits), so those are the candidates (or every ``per``
   up to the pool's tiles, where that is fewer: the work stays B x min(B x S, pool tiles));
-  among those within 2% of the cheapest, the fewest splits in all. One long request in a batch of short ones
+  the cheapest, and among equally cheap ones the fewest splits in all (no near-tie margin: one of
+  2% let the busiest CTA grow by 2% at h8 b32 with mixed lengths, which timed 3% slower than the
+  launched count on the H200). One long request in a batch of short ones
   then keeps its splits (it sets the time) and the short ones take few. Last, each count is
   lowered to the splits that get columns: ``_split_range`` cuts ``live`` into tile-aligned
   ranges of ``ceil(live / c)`` rounded up to a tile, of which only ``ceil(live / range)`` are
@@ -551,8 +571,8 @@ def _live_split_counts(live, *, cache_len: int, ctas_per_request_split: int, num
   waves = (ctas_per_request_split * total + sms - 1) // sms
   busiest = jnp.max((tiles[None, :] + counts - 1) // counts, axis=1)
   cost = waves.astype(jnp.float32) * (busiest.astype(jnp.float32) + START_UP_TILES)
-  near_best = cost <= jnp.min(cost) * 1.02
-  chosen = split_counts(per[jnp.argmin(jnp.where(near_best, total, jnp.iinfo(jnp.int32).max))])
+  cheapest = cost == jnp.min(cost)
+  chosen = split_counts(per[jnp.argmin(jnp.where(cheapest, total, jnp.iinfo(jnp.int32).max))])
   range_cols = (live + chosen - 1) // chosen
   range_cols = (range_cols + BLOCK_KV - 1) // BLOCK_KV * BLOCK_KV
   return jnp.where(live > 0, (live + range_cols - 1) // jnp.maximum(range_cols, 1), 1)
