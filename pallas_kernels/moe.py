@@ -147,7 +147,7 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   r = block_rows
   w_max = max_work_items(e, num_rows, r)
   last_window = padded_rows(num_rows, r) - r
-  sizes = group_sizes.astype(jnp.int32)
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)  # a negative count is no rows
   slots = jnp.where(sizes > 0, (sizes + ROW_ALIGN - 1 + r - 1) // r, 0)
   experts = jnp.arange(e, dtype=jnp.int32)
   upto = experts[None, :] <= experts[:, None]  # [E, E']: e' <= e
@@ -661,7 +661,8 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     x_sorted: bf16 [A, H] rows grouped by expert in expert order. Rows past sum(group_sizes)
       (padding) may share a loaded block with routed rows but never change their results, even
       when they hold NaN.
-    group_sizes: int[E] rows per expert.
+    group_sizes: int[E] rows per expert. A negative count is taken as 0, and the groups are cut
+      at row A where they sum past it (the rows they would have past A do not exist).
     experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts`` of
       ``KernelInt4Matrix`` (``models.int4.kernel_experts`` converts K2.6's layout once).
     block_rows: rows per work item (static; default ``default_block_rows(E, expected_rows)``).

@@ -431,6 +431,20 @@ def test_quantize_round_trip_error_is_half_a_step():
   assert err.max() > 0  # really quantised
 
 
+@pytest.mark.parametrize("sizes", [[10, 0, 20, 30, 0, 5], [50, 0, 0, 0, 0, 3], [10, -4, 20, 0, 0, 2]])
+def test_group_sizes_past_the_rows_or_negative_are_cut(sizes):
+  # Traced counts cannot raise: a negative one is no rows, and groups summing past A are cut at A,
+  # as if group_sizes had been clipped first (a negative count used to shift every later expert's
+  # rows: 1.2x max|ref| off).
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((40, H)), jnp.bfloat16)
+  experts = random_weights(3)
+  ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), len(x))
+  cut = np.diff(ends, prepend=0).astype(np.int32)
+  got = moe.moe_experts(x, jnp.asarray(sizes, jnp.int32), experts, block_rows=16, interpret=INTERPRET)
+  assert_close(got, reference(x, cut, experts), int(cut.sum()))
+
+
 def test_bad_inputs_raise_clear_errors():
   experts = random_weights(0)
   x = jnp.zeros((8, H), jnp.bfloat16)
