@@ -71,7 +71,7 @@ Layout of the work (why it is shaped this way):
     pool then gets many splits of two or three tiles. ``Options.live_splits`` splits each
     request by a count chosen at run time from the batch's live lengths instead (in the window
     metadata; the CTAs past it return at once and the merges select them away); on by default
-    where a batch of more than one request runs more than one split.
+    where more than one request-group (requests x KV groups) and more than one split run.
   * Masks. Columns below ``prefix_len`` need only ``col < prefix_cut[row]`` (``prefix_len`` for real
     rows, 0 for padded ones); only the one or two tiles that reach the window evaluate the packed
     visibility bits. Those per-row words and the request's slot, window start and length travel in
@@ -184,6 +184,12 @@ class Plan:
   # rows on the M side (``_kernel_rows_m``, see ``Options.form``).
   form: str = "rows_n"
 
+  @property
+  def live_splits(self) -> bool:
+    """Whether this call runs ``Options.live_splits``: as ``plan`` resolved it. A Plan built by
+    hand with "auto" has no batch to resolve it with and runs without (every split written)."""
+    return self.options is not None and self.options.live_splits is True
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -249,9 +255,10 @@ class Options:
     batch 8 and 32, 0.78x at h64 b8 4k q17 in a 132k pool (257 against 328 us), 0.85x, 0.92x
     and 1.00x in batches of mixed lengths, 0.92-1.01x in the other uniform cells; at batch 1 it
     only added the count's read to the merge (h8 b1 4k q17 15.2 against 13.3 us, the same kernel
-    time), so "auto" leaves it off there. A request's count then depends on its batch-mates'
-    lengths, so its rounding does too (the near-tie rule covers it, as it covers the batch
-    size's effect on the launched count).
+    time), so "auto" leaves it off there (MLA; MHA with several KV groups has several
+    request-groups at batch 1, so it is on there, untimed). A request's count then depends on its
+    batch-mates' lengths, so its rounding does too (the near-tie rule covers it, as it covers the
+    batch size's effect on the launched count).
   """
 
   lazy_sum: bool = True
@@ -552,7 +559,8 @@ def _live_split_counts(live, *, cache_len: int, ctas_per_request_split: int, num
   non-empty; with that count the ranges are the same.
 
   Args:
-    live: int32 [B], each request's live columns (positive, at most ``cache_len``).
+    live: int32 [B], each request's live columns (at most ``cache_len``; a request with none,
+      e.g. an idle batch slot, gets a count of 1 and its split no tiles).
   """
   sms = num_sms()
   pool_tiles = -(-cache_len // BLOCK_KV)
@@ -668,7 +676,7 @@ def _cta(meta_ref, *, plan: Plan, num_groups: int, num_words: int, cache_len: in
   wg = lax.axis_index("wg")
   return _Cta(bg, split, row_tile, wg, lax.rem(bg, num_groups), *_split_range(
       meta_ref, bg, split, num_words=num_words, num_splits=plan.num_splits, cache_len=cache_len,
-      live_splits=plan.options.live_splits))
+      live_splits=plan.live_splits))
 
 
 def _window_visibility(col, window_start, num_words: int, row_vector, shape):
@@ -1212,7 +1220,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   o_part, lse_part = kernel(*operands)
   # Options.live_splits: each request's own count, as the kernel read it; the rest unwritten.
   live_counts = (jnp.clip(meta[:, 0, 1 + num_words, 3], 1, pl_.num_splits)
-                 if pl_.options.live_splits else None)
+                 if pl_.live_splits else None)
   return _merge(o_part, lse_part, pl_, rows, interpret=interpret, live_counts=live_counts)
 
 
@@ -1239,7 +1247,7 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   per_row = per_row.reshape(batch, 1 + num_words, n_rt, rows_per_tile).transpose(0, 2, 1, 3)
   live = jnp.minimum(prefix_len + q_len, cache_len)
   per_request = [slots, prefix_len, live]
-  if pl_.options.live_splits:
+  if pl_.live_splits:
     per_request.append(_live_split_counts(
         live, cache_len=cache_len, ctas_per_request_split=_ctas_per_split(num_groups, n_rt),
         num_splits=pl_.num_splits))
@@ -1282,7 +1290,7 @@ def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: P
   return (("batch", batch), ("q_len", q_len), ("heads_per_group", heads_per_group),
           ("num_groups", num_groups), ("padded cache_len", cache_len),
           ("rows_per_tile", pl_.rows_per_tile), ("row_tiles", pl_.num_row_tiles),
-          ("live_splits", pl_.num_splits if pl_.options.live_splits else 0)) + tuple(call_dims)
+          ("live_splits", pl_.num_splits if pl_.live_splits else 0)) + tuple(call_dims)
 
 
 def _checked_meta(name, window_meta, layout):
@@ -1426,7 +1434,8 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
   if pl_.options.merge == "two_pass":
     top = jnp.max(lse, axis=1, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
-    weight = weight / jnp.sum(weight, axis=1, keepdims=True)
+    total = jnp.sum(weight, axis=1, keepdims=True)
+    weight = weight / jnp.where(total == 0.0, 1.0, total)  # a row no split saw: weights 0, not NaN
   else:
     lse_s, lse_t = lse[:, :, None], lse[:, None, :]
     terms = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp2(lse_t - lse_s))  # [BG, s, t, n_rt, rs]

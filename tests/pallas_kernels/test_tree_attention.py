@@ -295,9 +295,10 @@ def test_merge_kernel_reads_bf16_partials_as_stored():
     assert not ta._merge_kernel_fits((1, 4, 1, 8, 64), (1, 4, 1, 8), 0, itemsize)
 
 
-def test_merge_kernel_row_no_split_saw_is_zero():
-  # A real row whose every split is empty (lse -inf everywhere, zero partials) merges to zeros,
-  # as the XLA merges give, not NaN (2^(-inf - -inf)); the rows beside it are unaffected.
+def test_merges_give_zeros_for_a_row_no_split_saw():
+  # A real row whose every split is empty (lse -inf everywhere, zero partials) merges to zeros in
+  # every merge, not NaN (2^(-inf - -inf), or 0 / 0 in "two_pass", which gave NaN until it
+  # guarded its sum); the rows beside it are unaffected.
   rng = np.random.default_rng(7)
   bg, n_rt, splits, dv, rt = 1, 1, 3, 128, 8
   o = rng.standard_normal((bg, splits, n_rt, rt, dv)).astype(np.float32)
@@ -306,16 +307,17 @@ def test_merge_kernel_row_no_split_saw_is_zero():
   o[0, :, 0, 2] = 0.0
   rows = 6
   got = {}
-  for merge in ("kernel", "pairwise"):
+  for merge in ("kernel", "pairwise", "two_pass"):
     pl_ = ta.Plan(rows_per_tile=rt, num_row_tiles=n_rt, swizzle=128, num_stages=2,
                   num_splits=splits, rows_stored=rt, reduction_scratch=0, value_wgs=1,
                   options=ta.Options(merge=merge))
     got[merge] = np.asarray(ta._merge(jnp.asarray(o), jnp.asarray(lse), pl_, rows,
                                       interpret=INTERPRET))
   check_no_races()
-  assert np.isfinite(got["kernel"]).all()
-  np.testing.assert_array_equal(got["kernel"][0, 2], np.zeros(dv, np.float32))
-  np.testing.assert_allclose(got["kernel"], got["pairwise"], rtol=1e-5, atol=1e-6)
+  for merge in got:
+    assert np.isfinite(got[merge]).all(), merge
+    np.testing.assert_array_equal(got[merge][0, 2], np.zeros(dv, np.float32), err_msg=merge)
+    np.testing.assert_allclose(got[merge], got["pairwise"], rtol=1e-5, atol=1e-6, err_msg=merge)
 
 
 def test_merge_kernel_falls_back_to_xla_where_it_does_not_fit():
