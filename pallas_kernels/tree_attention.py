@@ -1171,8 +1171,9 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
   if window_meta is None:
     meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
                         heads_per_group=heads_per_group, num_groups=num_groups, pl_=pl_)
+    live_counts = _split_counts(meta, pl_)
   else:
-    meta = _checked_meta(name, window_meta, layout)
+    meta, live_counts = _checked_meta(name, window_meta, layout)
   num_words = meta.shape[2] - 2
 
   transforms = _transforms(pl_.swizzle)
@@ -1218,10 +1219,15 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       interpret=interpret)
   operands = [meta, *q_parts, *key_pools] + ([] if shared_value else [value_pool])
   o_part, lse_part = kernel(*operands)
-  # Options.live_splits: each request's own count, as the kernel read it; the rest unwritten.
-  live_counts = (jnp.clip(meta[:, 0, 1 + num_words, 3], 1, pl_.num_splits)
-                 if pl_.live_splits else None)
   return _merge(o_part, lse_part, pl_, rows, interpret=interpret, live_counts=live_counts)
+
+
+def _split_counts(meta, pl_: Plan):
+  """int32 [BG]: each request-group's split count (``Options.live_splits``) as the kernel reads
+  it from ``meta``, for the merge (the splits past it are never written); None without."""
+  if not pl_.live_splits:
+    return None
+  return jnp.clip(meta[:, 0, meta.shape[2] - 1, 3], 1, pl_.num_splits)
 
 
 def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, heads_per_group,
@@ -1258,7 +1264,7 @@ def _window_meta(slots, prefix_len, visibility, valid, *, q_len, cache_len, head
   return jnp.repeat(meta, num_groups, axis=0)  # [BG, ...] (bg = b * G + g)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["meta"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["meta", "split_counts"],
                    meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class WindowMeta:
@@ -1269,8 +1275,9 @@ class WindowMeta:
   start and live length) depends on the window and on static shapes, never on the layer. A model
   that runs many layers over one window builds it once with ``prepare_mla_window`` (or
   ``prepare_mha_window``) outside its layer loop and passes it to every call as
-  ``window_meta=``; each call then runs only the kernel and the merge. A pytree: ``meta`` is the
-  array, ``layout`` static (so it can be closed over or passed through ``jit`` and ``lax.scan``).
+  ``window_meta=``; each call then runs only the kernel and the merge. A pytree: ``meta`` and
+  ``split_counts`` are arrays (the second None without live splits), ``layout`` static (so it can
+  be closed over or passed through ``jit`` and ``lax.scan``).
 
   The call checks ``layout`` against its own shapes and plan and raises ``ValueError`` naming
   each mismatch; it cannot check that the values came from the same window, which is the
@@ -1279,6 +1286,9 @@ class WindowMeta:
 
   meta: jax.Array  # int32 [B * G, row tiles, 2 + W, rows per tile]
   layout: tuple  # ((name, value), ...): what the array was built for (see ``_meta_layout``)
+  # Options.live_splits: int32 [B * G], the counts in ``meta`` as the merge reads them, taken out
+  # here once per step so that no layer runs a fusion for them (``_split_counts``); else None.
+  split_counts: jax.Array | None = None
 
 
 def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: Plan,
@@ -1294,7 +1304,7 @@ def _meta_layout(*, batch, q_len, heads_per_group, num_groups, cache_len, pl_: P
 
 
 def _checked_meta(name, window_meta, layout):
-  """The array of ``window_meta`` after checking it was built for ``layout``."""
+  """(meta, split counts or None) of ``window_meta`` after checking it was built for ``layout``."""
   if not isinstance(window_meta, WindowMeta):
     raise TypeError(f"{name}: window_meta must be a WindowMeta (from prepare_mla_window or "
                     f"prepare_mha_window), got {type(window_meta).__name__}")
@@ -1310,7 +1320,15 @@ def _checked_meta(name, window_meta, layout):
   if tuple(meta.shape) != shape or meta.dtype != jnp.int32:
     raise ValueError(f"{name}: window_meta.meta must be int32{list(shape)} for its layout, got "
                      f"{meta.dtype}{list(meta.shape)}")
-  return meta
+  counts = window_meta.split_counts
+  if want["live_splits"] and (counts is None or tuple(counts.shape) != shape[:1]
+                              or counts.dtype != jnp.int32):
+    raise ValueError(f"{name}: window_meta.split_counts must be int32[{shape[0]}] with live splits "
+                     f"(as prepare_mla_window / prepare_mha_window build it), got "
+                     + ("None" if counts is None else f"{counts.dtype}{list(counts.shape)}"))
+  if not want["live_splits"] and counts is not None:
+    raise ValueError(f"{name}: window_meta.split_counts must be None without live splits")
+  return meta, counts
 
 
 def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num_groups, key_dims,
@@ -1334,7 +1352,7 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
                       num_groups=num_groups, pl_=pl_)
   return WindowMeta(meta=meta, layout=_meta_layout(
       batch=batch, q_len=q_len, heads_per_group=heads_per_group, num_groups=num_groups,
-      cache_len=padded_len, pl_=pl_, call_dims=call_dims))
+      cache_len=padded_len, pl_=pl_, call_dims=call_dims), split_counts=_split_counts(meta, pl_))
 
 
 def _mla_dims(latent_dim, rope_dim, cache_len):

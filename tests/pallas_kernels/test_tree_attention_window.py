@@ -104,6 +104,20 @@ def test_mismatched_meta_raises_naming_the_mismatch():
     call(window_meta=ta.WindowMeta(meta=good.meta[:, :, :1], layout=good.layout))
   with pytest.raises(ValueError, match="window_meta.meta must be int32"):
     call(window_meta=ta.WindowMeta(meta=good.meta.astype(jnp.float32), layout=good.layout))
+  # Batch 2: live splits by default, so the meta carries the merge's counts, taken out of the
+  # array once (the column the kernel reads); a meta without them, or with them where the call
+  # runs without live splits, is refused.
+  num_words = good.meta.shape[2] - 2
+  np.testing.assert_array_equal(np.asarray(good.split_counts),
+                                np.asarray(good.meta[:, 0, 1 + num_words, 3]))
+  assert good.split_counts.dtype == jnp.int32 and good.split_counts.min() >= 1
+  with pytest.raises(ValueError, match=r"split_counts must be int32\[2\] with live splits .*, got None"):
+    call(window_meta=ta.WindowMeta(meta=good.meta, layout=good.layout))
+  off = prep(*window, options=ta.Options(live_splits=False))
+  assert off.split_counts is None
+  with pytest.raises(ValueError, match="split_counts must be None without live splits"):
+    call(window_meta=dataclasses.replace(off, split_counts=good.split_counts),
+         options=ta.Options(live_splits=False))
   with pytest.raises(ValueError, match=r"num_groups 2 \(prepared\) != 1"):  # an MHA meta
     call(window_meta=ta.prepare_mha_window(*window, heads=4, kv_heads=2, head_dim=64,
                                            cache_len=203))
