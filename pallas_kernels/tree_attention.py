@@ -513,7 +513,8 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
 
 def _live_splits_on(options: Options, num_work: int, num_splits: int) -> bool:
   """``Options.live_splits`` resolved: "auto" is on for more than one request-group and split
-  (with one request the launched count was as fast; with one split there is nothing to choose)."""
+  (at batch 1 the H200 run found only the merge's read of the count added; with one split there
+  is nothing to choose)."""
   if options.live_splits == "auto":
     return num_work > 1 and num_splits > 1
   return bool(options.live_splits)
@@ -552,8 +553,8 @@ def _live_split_counts(live, *, cache_len: int, ctas_per_request_split: int, num
   up to the pool's tiles, where that is fewer: the work stays B x min(B x S, pool tiles));
   the cheapest, and among equally cheap ones the fewest splits in all (no near-tie margin: one of
   2% let the busiest CTA grow by 2% at h8 b32 with mixed lengths, which timed 3% slower than the
-  launched count on the H200). One long request in a batch of short ones
-  then keeps its splits (it sets the time) and the short ones take few. Last, each count is
+  launched count on the H200). One long request in a batch of short ones then keeps its splits
+  (it sets the time) and the short ones take few. Last, each count is
   lowered to the splits that get columns: ``_split_range`` cuts ``live`` into tile-aligned
   ranges of ``ceil(live / c)`` rounded up to a tile, of which only ``ceil(live / range)`` are
   non-empty; with that count the ranges are the same.
