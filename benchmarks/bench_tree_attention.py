@@ -296,6 +296,15 @@ def variant_list():
       out.append((cell, f"merge kernel {columns} columns a CTA",
                   dict(options=O(merge="kernel", merge_columns=columns))))
     out.append((cell, "merge pairwise (XLA, 2 kernels)", dict(options=O(merge="pairwise"))))
+  # q_len 1 at batch 1 (8 merged rows: the XLA merge by default, 4.7 us of the 17.7-us layer at
+  # 32k, whose whole call is 0.41 of the roofline): the merge kernel over 130 splits, and fewer
+  # splits, beside the default in the same run.
+  for cell in [(8, 1, 32768, 1), (8, 1, 131072, 1)]:
+    out.append((cell, "q1 merge: default (XLA pairwise)", dict()))
+    for columns in (128, 256):
+      out.append((cell, f"q1 merge: kernel {columns} columns a CTA",
+                  dict(options=O(merge="kernel", merge_columns=columns))))
+    out.append((cell, "q1 merge: 66 splits", dict(num_splits=66)))
   # The default at these cells stages bf16 partials in shared memory for one TMA store and merges
   # them with the merge kernel: beside it the same partials merged by XLA, bf16 partials stored
   # from registers, and the previous default (fp32 partials from registers).
