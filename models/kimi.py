@@ -342,32 +342,50 @@ class MoE(nnx.Module):
     """x: [B, Q, H]; valid: bool[B, Q]. Returns (out [B, Q, H], expert load int32[E])."""
     cfg = self.cfg
     b, q, h = x.shape
-    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     tokens = x.reshape(b * q, h)
     logits = tokens.astype(jnp.float32) @ self.gate[...].astype(jnp.float32)
     expert_ids, weights = route(logits, self.e_score_correction_bias[...].astype(jnp.float32),
                                 valid.reshape(-1), cfg)
-    flat_ids = expert_ids.reshape(-1)  # [M * K]; padded rows carry e and sort last
-    order = jnp.argsort(flat_ids, stable=True)
-    token_of_row = order // k
-    group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
-    experts = self.routed_weights()
-    if cfg.moe_impl == "pallas":
-      y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts, sorted_expert_ids=flat_ids[order])
-    else:
-      if isinstance(experts, int4.Int4Experts):
-        # The format's weights, bf16(q * scale), as the kernel forms them; dequantised per call
-        # (the reference path: it reads every expert).
-        experts = int4.dequantize_experts(experts, jnp.bfloat16)
-      y = routed_experts(tokens[token_of_row], group_sizes, *experts)
-    # Rows past sum(group_sizes) (padded tokens) are zero by ragged_dot's contract; `where` keeps
-    # them zero (and finite) even for a kernel that leaves them unwritten.
-    routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)
-    y = jnp.where(routed[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    out = jnp.zeros((b * q, h), jnp.float32).at[token_of_row].add(y)
+    out, group_sizes = routed_block(tokens, expert_ids, weights, self.routed_weights(), cfg.moe_impl)
     if self.shared_experts is not None:
       out = out + self.shared_experts(tokens).astype(jnp.float32)
     return out.astype(x.dtype).reshape(b, q, h), group_sizes
+
+
+def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
+  """The routed half of an MoE layer: sort the (token, expert) rows by expert, run the experts,
+  weight the rows and add them back to their tokens.
+
+  Args:
+    tokens: [M, H]; expert_ids: int32[M, K], E for rows routed nowhere (padded tokens; under
+      expert parallelism, experts held elsewhere); weights: float32[M, K].
+    experts: ``int4.Bf16Experts`` [E, in, out] or ``int4.Int4Experts``; E is their first axis.
+    moe_impl: "xla" (``routed_experts``, ragged_dot; INT4 dequantised per call) or "pallas"
+      (``routed_experts_pallas``).
+  Returns:
+    (float32 [M, H], group_sizes int32[E]: rows routed to each expert).
+  """
+  if moe_impl not in ("xla", "pallas"):
+    raise ValueError(f"moe_impl={moe_impl!r}: expected 'xla' or 'pallas'")
+  m, k = expert_ids.shape
+  e = jax.tree.leaves(experts.gate)[0].shape[0]
+  flat_ids = expert_ids.reshape(-1)  # [M * K]; rows routed nowhere carry E and sort last
+  order = jnp.argsort(flat_ids, stable=True)
+  token_of_row = order // k
+  group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
+  if moe_impl == "pallas":
+    y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts, sorted_expert_ids=flat_ids[order])
+  else:
+    if isinstance(experts, int4.Int4Experts):
+      # The format's weights, bf16(q * scale), as the kernel forms them; dequantised per call
+      # (the reference path: it reads every expert).
+      experts = int4.dequantize_experts(experts, jnp.bfloat16)
+    y = routed_experts(tokens[token_of_row], group_sizes, *experts)
+  # Rows past sum(group_sizes) (padded tokens) are zero by ragged_dot's contract; `where` keeps
+  # them zero (and finite) even for a kernel that leaves them unwritten.
+  routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)
+  y = jnp.where(routed[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
+  return jnp.zeros((m, tokens.shape[1]), jnp.float32).at[token_of_row].add(y), group_sizes
 
 
 class DecoderLayer(nnx.Module):

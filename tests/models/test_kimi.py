@@ -10,7 +10,7 @@ import pytest
 
 from models import cache as cache_lib
 from models import forward as fwd
-from models import hf_io, kimi
+from models import hf_io, int4, kimi
 from models.config import ConfigError, KimiConfig
 from tests.models import numpy_kimi
 
@@ -309,3 +309,31 @@ def test_config_from_hf_plain_and_multimodal():
                             dtype=real.dtype, param_dtype=real.param_dtype) == int4_real
   with pytest.raises(ConfigError, match="only 'yarn'"):
     KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+def test_routed_block_matches_a_float64_loop_and_zeroes_rows_routed_nowhere():
+  """``routed_block`` (what the model's MoE and ``benchmarks/bench_moe.py`` run): each token is the
+  weighted sum of its experts' SwiGLU outputs; an id of E (padding, or an expert held elsewhere
+  under expert parallelism) contributes nothing, and a token routed nowhere comes out zero."""
+  rng = np.random.default_rng(3)
+  m, k, e, h, i = 5, 3, 6, 8, 4
+  tokens = rng.standard_normal((m, h)).astype(np.float32)
+  ids = np.stack([rng.permutation(e + 1)[:k] for _ in range(m)]).astype(np.int32)  # E appears in some rows
+  ids[2] = e  # token 2: routed nowhere
+  weights = rng.random((m, k)).astype(np.float32)
+  gate, up, down = (rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((e, h, i), (e, h, i), (e, i, h)))
+  out, sizes = kimi.routed_block(jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(weights),
+                                 int4.Bf16Experts(*map(jnp.asarray, (gate, up, down))))
+  want = np.zeros((m, h))
+  for t in range(m):
+    for j in range(k):
+      ex = ids[t, j]
+      if ex < e:
+        g, u = tokens[t] @ gate[ex].astype(np.float64), tokens[t] @ up[ex].astype(np.float64)
+        want[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * u) @ down[ex])
+  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
+  assert not np.asarray(out)[2].any()
+  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(ids.reshape(-1), minlength=e + 1)[:e])
+  with pytest.raises(ValueError, match="moe_impl='triton'"):
+    kimi.routed_block(jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(weights),
+                      int4.Bf16Experts(*map(jnp.asarray, (gate, up, down))), "triton")
