@@ -15,6 +15,10 @@ row buffer keeps the static size 8T, the rest is padding). Timed side by side in
 * ``ragged_dot``: ``models.kimi.routed_experts`` (``jax.lax.ragged_dot``), bf16;
 * ``ragged_dot_mgpu``: jax's Pallas Mosaic GPU ragged dot (block 64 x 256 x 64, 4 stages) for
   each projection with the SwiGLU in XLA, bf16.
+* ``block_pallas`` (bf16 and INT4) and ``block_ragged_dot`` (bf16): the model's whole routed block
+  (``models.kimi.routed_block``: from tokens [T, H] and the routing, sort the rows by expert,
+  gather them, run the experts, weight the rows and scatter-add them back to their tokens), so
+  that the table shows the glue a model layer pays around the experts, for both paths alike.
 
 Roofline: bytes of the touched experts' weights in the format used (bf16: 2 bytes per weight;
 INT4: half a byte plus a bf16 scale per 32) over the read-only stream bandwidth measured in the
@@ -29,7 +33,9 @@ model step runs its layers, and each cell is timed two ways (medians of 5 such s
   (argument handling, updating and launching the step's CUDA graph), which at small T is a large
   part of the call (about 20-30 us per layer call on the H200; ``benchmarks/moe_timeline.py``).
 
-Writes ``bench_moe.json`` and ``bench_moe.md``.
+Writes ``bench_moe.json`` and ``bench_moe.md``. ``--resume FILE`` keeps an earlier run's rows for
+the cells this run does not time (each keeps its run's ceilings, and the markdown names the run),
+so one expert count can be timed again without the other.
 """
 
 import argparse
@@ -178,7 +184,8 @@ def make_int4(key, num_experts):
 def routings(num_tokens, num_experts, seed):
   """ROUTINGS random top-8 routings over all 384 experts, restricted to experts < num_experts.
 
-  Returns [(x_sorted bf16 [8T, H], group_sizes int32[num_experts], distinct experts touched)].
+  Returns [(x_sorted bf16 [8T, H], group_sizes int32[num_experts], distinct experts touched,
+  expert ids int32[T, 8] with num_experts for the experts held elsewhere)].
   """
   rng = np.random.default_rng(seed)
   out = []
@@ -187,7 +194,7 @@ def routings(num_tokens, num_experts, seed):
     local = np.where(ids < num_experts, ids, num_experts)  # other GPUs' rows sort last as padding
     sizes = np.bincount(local, minlength=num_experts + 1)[:num_experts].astype(np.int32)
     x = jnp.asarray(rng.standard_normal((ids.size, HIDDEN)), jnp.bfloat16)
-    out.append((x, jnp.asarray(sizes), int((sizes > 0).sum())))
+    out.append((x, jnp.asarray(sizes), int((sizes > 0).sum()), local.reshape(num_tokens, TOP_K).astype(np.int32)))
   return out
 
 
@@ -230,6 +237,26 @@ IMPLS = {
 
 
 ROW_ID_IMPLS = ("pallas_rows",)
+# The model's whole routed block (``models.kimi.routed_block``: sort by expert, bincount, gather the
+# rows, the experts, weight and scatter-add back to tokens), from tokens [T, H] and the routing
+# (ids [T, 8], weights [T, 8]): all the glue a model layer pays around the experts.
+BLOCK_IMPLS = ("block_pallas", "block_ragged_dot")
+IMPLS["block_pallas"] = lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "pallas")
+IMPLS["block_ragged_dot"] = lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "xla")
+
+
+def block_inputs(impl, sets, seed):
+  """The routings as ``impl`` takes them: for ``BLOCK_IMPLS``, T token rows and the routing (ids,
+  softmax-like weights), the same experts as the sorted-rows cells."""
+  if impl not in BLOCK_IMPLS:
+    return sets
+  rng = np.random.default_rng(seed)
+  out = []
+  for x, g, touched, ids in sets:
+    tokens = jnp.asarray(rng.standard_normal((ids.shape[0], HIDDEN)), jnp.bfloat16)
+    weights = rng.random(ids.shape).astype(np.float32)
+    out.append((tokens, (jnp.asarray(ids), jnp.asarray(weights / weights.sum(1, keepdims=True))), touched, ids))
+  return out
 
 
 def with_row_ids(impl, sets):
@@ -239,12 +266,21 @@ def with_row_ids(impl, sets):
   if impl not in ROW_ID_IMPLS:
     return sets
   out = []
-  for x, g, touched in sets:
+  for x, g, touched, _ in sets:
     sizes = np.asarray(g)
     ids = np.concatenate([np.repeat(np.arange(len(sizes)), sizes),
                           np.full(x.shape[0] - int(sizes.sum()), len(sizes))]).astype(np.int32)
-    out.append((x, (g, jnp.asarray(ids)), touched))
+    out.append((x, (g, jnp.asarray(ids)), touched, None))
   return out
+
+
+def cell_inputs(data, impl, e, t):
+  """The routings of cell (E, T) in the form ``impl`` takes (cached: lowering and timing must see
+  the same arrays, and the block cells' tokens are drawn once)."""
+  key = (e, t, "rows" if impl in ROW_ID_IMPLS else "block" if impl in BLOCK_IMPLS else None)
+  if key not in data:
+    data[key] = block_inputs(impl, with_row_ids(impl, data[(e, t)]), seed=1000 * e + t + 1)
+  return data[key]
 
 
 def weight_bytes(fmt, experts_touched):
@@ -271,6 +307,9 @@ def run(args, out: Path):
           continue  # the ids are used only where A <= E; elsewhere it would re-time "pallas"
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
+      for fmt, impl in (("bf16", "block_pallas"), ("int4", "block_pallas"), ("bf16", "block_ragged_dot")):
+        if impl in args.impls and fmt in args.formats and t in args.block_tokens:
+          cells.append((e, t, fmt, impl))
       for variant in ("pallas_registers", "pallas_serial"):
         if variant in args.impls and "int4" in args.formats and t in args.variant_tokens:
           cells.append((e, t, "int4", variant))
@@ -278,10 +317,10 @@ def run(args, out: Path):
 
   def lower(cell):
     e, t, fmt, impl = cell
-    sets = with_row_ids(impl, data[(e, t)])
+    sets = cell_inputs(data, impl, e, t)
     return in_step(IMPLS[impl]).lower([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
 
-  compiled = compile_cells(cells, lower, args.compile_threads, serial=lambda cell: cell[3] == "ragged_dot")
+  compiled = compile_cells(cells, lower, args.compile_threads, serial=lambda cell: cell[3] in ("ragged_dot", "block_ragged_dot"))
   print(f"compiled {len(cells)} cells in {time.perf_counter() - t_start:.0f} s", flush=True)
   if args.wait_for:  # let another job on this GPU finish before timing
     while not Path(args.wait_for).exists() and time.perf_counter() - t_start < args.wait_max_s:
@@ -312,12 +351,26 @@ def run(args, out: Path):
       continue
     try:
       sets = data[(e, t)]
-      a = fn(*[[s[i] for s in with_row_ids(impl, sets)] for i in (0, 1)], weights[(fmt, e)])
+      a = fn(*[[s[i] for s in cell_inputs(data, impl, e, t)] for i in (0, 1)], weights[(fmt, e)])
       b = default([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
       check[f"{impl} {fmt} E={e} T={t} bit-identical to pallas"] = all(
           bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
     except Exception as err:
       check[f"{impl} {fmt} E={e} T={t}"] = f"{type(err).__name__}: {str(err)[:200]}"
+  # The model's routed block: the kernel path against the ragged_dot path on the same bf16 weights.
+  for (e, t, fmt, impl), fn in compiled.items():
+    want = compiled.get((e, t, fmt, "block_ragged_dot"))
+    if impl != "block_pallas" or fmt != "bf16" or isinstance(fn, Exception) or want is None or isinstance(want, Exception):
+      continue
+    try:
+      sets = cell_inputs(data, impl, e, t)
+      args_ = ([s[0] for s in sets], [s[1] for s in sets], weights[(fmt, e)])
+      got = np.stack([np.asarray(y[0]) for y in fn(*args_)])
+      ref = np.stack([np.asarray(y[0]) for y in want(*args_)])
+      check[f"block_pallas bf16 E={e} T={t} rel L2 vs block_ragged_dot"] = float(
+          np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    except Exception as err:
+      check[f"block_pallas bf16 E={e} T={t}"] = f"{type(err).__name__}: {str(err)[:200]}"
   print(f"check: {check}", flush=True)
 
   rows_out = []
@@ -325,7 +378,7 @@ def run(args, out: Path):
     e, t, fmt, impl = cell
     row = {"experts": e, "tokens": t, "format": fmt, "impl": impl}
     fn = compiled[cell]
-    sets = with_row_ids(impl, data[(e, t)])
+    sets = cell_inputs(data, impl, e, t)
     touched = statistics.mean(s[2] for s in sets)
     row["distinct_experts"] = touched
     row["roofline_us"] = weight_bytes(fmt, touched) / stream * 1e6
@@ -354,10 +407,23 @@ def run(args, out: Path):
             "check": check, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOP_K,
             "routings_per_cell": ROUTINGS, "rows": rows_out,
             "wall_s": time.perf_counter() - t_start}
+  if args.resume:
+    resume(result, json.loads(args.resume.read_text()))
   out.mkdir(parents=True, exist_ok=True)
   (out / "bench_moe.json").write_text(json.dumps(result, indent=1))
   (out / "bench_moe.md").write_text(markdown(result))
   print(markdown(result))
+
+
+def resume(result, earlier):
+  """Adds ``earlier``'s rows for the cells this run did not time, marked with their run (1 + the
+  run they carry), and its runs' ceilings and commands under ``earlier_runs``: each row's fraction
+  is against the ceilings of the run that timed it."""
+  mine = {(r["experts"], r["tokens"], r["format"], r["impl"]) for r in result["rows"]}
+  for row in earlier["rows"]:
+    if (row["experts"], row["tokens"], row["format"], row["impl"]) not in mine:
+      result["rows"].append({**row, "run": 1 + row.get("run", 0)})
+  result["earlier_runs"] = [{k: earlier[k] for k in ("argv", "ceilings", "check")}] + earlier.get("earlier_runs", [])
 
 
 def markdown(result) -> str:
@@ -375,6 +441,13 @@ def markdown(result) -> str:
       "parentheses.",
       "",
   ]
+  for i, run_ in enumerate(result.get("earlier_runs", []), start=1):
+    cells = sorted({(r["experts"], r["impl"]) for r in result["rows"] if r.get("run", 0) == i}, reverse=True)
+    caps_ = run_["ceilings"]
+    lines += [f"Run {i} (an earlier run; its cells kept where this run did not time them: "
+              + ", ".join(f"E={e} {impl}" for e, impl in cells)
+              + f"): stream {caps_['stream_read_bytes_per_s'] / 1e12:.2f} TB/s, its fractions against it; "
+              f"`PYTHONPATH=. python3 benchmarks/bench_moe.py {' '.join(run_['argv'])}`.", ""]
   by = {(r["experts"], r["tokens"], r["format"], r["impl"]): r for r in result["rows"]}
 
   def gpu(r):
@@ -403,11 +476,29 @@ def markdown(result) -> str:
           f"| {wall(pb)} | {pi['roofline_us'] if pi else 0:.0f} | {gpu(pi)} | {frac(pi)} | {wall(pi)} "
           f"| {gpu(rd)} | {gpu(mg)} | {speed} |")
     lines.append("")
+  for e in sorted({r["experts"] for r in result["rows"] if r["impl"] in BLOCK_IMPLS}, reverse=True):
+    lines += [f"## The model's routed block, {e} experts", "",
+              "`models.kimi.routed_block` from tokens and routing: sort by expert, gather the rows, the experts, "
+              "weight and scatter-add back to tokens. *experts alone*: the sorted-rows call the model makes inside "
+              "it (`pallas_rows` where 8T <= E, else `pallas`) from the table above.", "",
+              "| T | distinct experts | pallas bf16 block GPU | of roofline | experts alone | pallas INT4 block GPU "
+              "| of roofline | experts alone | ragged_dot bf16 block GPU | ragged_dot / pallas (bf16 blocks) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for t in sorted({r["tokens"] for r in result["rows"] if r["experts"] == e and r["impl"] in BLOCK_IMPLS}):
+      pb, pi, rd = (by.get((e, t, f, i)) for f, i in (("bf16", "block_pallas"), ("int4", "block_pallas"),
+                                                     ("bf16", "block_ragged_dot")))
+      alone = {f: by.get((e, t, f, "pallas_rows")) or by.get((e, t, f, "pallas")) for f in ("bf16", "int4")}
+      ref = pb or pi or rd
+      speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
+               else "-")
+      lines.append(f"| {t} | {ref['distinct_experts']:.1f} | {gpu(pb)} | {frac(pb)} | {gpu(alone['bf16'])} "
+                   f"| {gpu(pi)} | {frac(pi)} | {gpu(alone['int4'])} | {gpu(rd)} | {speed} |")
+    lines.append("")
   lines += ["GPU time per call by kernel kind (us; INT4 pallas):", ""]
   for r in result["rows"]:
-    if r["format"] == "int4" and r["impl"] == "pallas" and "device_kernels_us" in r:
+    if r["format"] == "int4" and r["impl"] in ("pallas", "block_pallas") and "device_kernels_us" in r:
       kinds = ", ".join(f"{k} {v:.1f}" for k, v in list(r["device_kernels_us"].items())[:6])
-      lines.append(f"- E={r['experts']} T={r['tokens']}: {kinds}")
+      lines.append(f"- E={r['experts']} T={r['tokens']}{' (routed block)' if r['impl'] != 'pallas' else ''}: {kinds}")
   lines.append("")
   errors = [r for r in result["rows"] if "error" in r or "device_error" in r]
   if errors:
@@ -418,6 +509,11 @@ def markdown(result) -> str:
   if "rel_l2_vs_ragged_dot" in result.get("check", {}):
     lines.append(f"Check at K2.6 size: pallas bf16 vs ragged_dot relative L2 {result['check']['rel_l2_vs_ragged_dot']:.1e} "
                  f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
+  block_checks = {k: v for k, v in result.get("check", {}).items() if k.startswith("block_pallas")}
+  if block_checks:
+    lines.append("Routed block, kernel path against the ragged_dot path on the same bf16 weights: "
+                 + "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in block_checks.items())
+                 + ".")
   row_id_checks = {k: v for k, v in result.get("check", {}).items() if k.startswith(ROW_ID_IMPLS)}
   if row_id_checks:
     lines.append("Work list from row ids against the default, same routings: "
@@ -462,6 +558,10 @@ def main():
   parser.add_argument("--mgpu-tokens", type=int, nargs="*", default=[],
                       help="T at which to time ragged_dot_mgpu for the first expert count (default all); "
                            "its 384-group kernel takes about 6 s to lower per T")
+  parser.add_argument("--block-tokens", type=int, nargs="*", default=[1, 9, 17, 136],
+                      help="T at which to time the model's routed block (block_pallas, block_ragged_dot)")
+  parser.add_argument("--resume", type=Path, default=None,
+                      help="an earlier run's bench_moe.json: its rows for cells this run does not time are kept")
   parser.add_argument("--time-budget-s", type=float, default=120.0, help="skip timing cells past this")
   parser.add_argument("--wait-for", default="", help="before timing, wait until this file exists")
   parser.add_argument("--wait-max-s", type=float, default=400.0)

@@ -1,0 +1,75 @@
+"""``benchmarks/bench_moe.py``: ``--resume`` (one expert count timed again without the other) and
+the routed-block cells' inputs and table."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+  sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_moe imports gpu_timing beside it
+  try:
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "benchmarks" / "bench_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
+  return module
+
+
+def row(experts, tokens, fmt, impl, device_us, roofline_us=50.0, **extra):
+  return dict(experts=experts, tokens=tokens, format=fmt, impl=impl, distinct_experts=8.0,
+              roofline_us=roofline_us, time_us=device_us + 40, roofline_fraction=roofline_us / (device_us + 40),
+              device_us=device_us, device_roofline_fraction=roofline_us / device_us,
+              device_kernels_us={"moe_gate_up_mosaic_gpu_kernel": device_us / 2}, **extra)
+
+
+def result(rows, argv, stream=4.6e12):
+  return dict(device="gpu", device_kind="NVIDIA H200", jax="0.11.2", python="3.12", argv=argv,
+              ceilings=dict(stream_read_bytes_per_s=stream, copy_bytes_per_s=3.3e12, matmul_bf16_flop_per_s=7e14),
+              check={}, rows=rows)
+
+
+def test_resume_keeps_only_cells_not_timed_again_and_names_their_run(bench):
+  earlier = result([row(384, 1, "int4", "pallas", 81.0), row(48, 1, "int4", "pallas", 32.0),
+                    row(48, 1, "bf16", "ragged_dot", 124.0, run=1)], ["--old"], stream=4.5e12)
+  earlier["earlier_runs"] = [dict(argv=["--oldest"], ceilings=earlier["ceilings"], check={})]
+  now = result([row(384, 1, "int4", "pallas", 80.0), row(384, 1, "int4", "block_pallas", 78.0),
+                row(384, 1, "bf16", "block_ragged_dot", 2983.0), row(384, 1, "bf16", "block_pallas", 176.0)],
+               ["--new"])
+  bench.resume(now, earlier)
+  by = {(r["experts"], r["tokens"], r["format"], r["impl"]): r for r in now["rows"]}
+  assert by[(384, 1, "int4", "pallas")]["device_us"] == 80.0  # this run's cell wins
+  assert "run" not in by[(384, 1, "int4", "pallas")]
+  assert by[(48, 1, "int4", "pallas")]["run"] == 1
+  assert by[(48, 1, "bf16", "ragged_dot")]["run"] == 2  # run 1 of the earlier file is run 2 here
+  assert [r["argv"] for r in now["earlier_runs"]] == [["--old"], ["--oldest"]]
+  text = bench.markdown(now)
+  assert "Run 1 (an earlier run; its cells kept where this run did not time them: E=48 pallas)" in text
+  assert "`PYTHONPATH=. python3 benchmarks/bench_moe.py --old`" in text
+  block = text.split("## The model's routed block, 384 experts")[1]
+  # T, distinct, pallas bf16 block, of roofline, experts alone (bf16: none), INT4 block, of
+  # roofline, experts alone (INT4 pallas: 80), ragged_dot block, ragged_dot / pallas
+  assert "| 1 | 8.0 | 176 | 28% | - | 78 | 64% | 80 | 2983 | 16.9x |" in block
+
+
+def test_block_inputs_are_the_cells_routing_and_cached(bench, monkeypatch):
+  monkeypatch.setattr(bench, "HIDDEN", 16)
+  data = {(384, 3): bench.routings(3, 384, seed=7)}
+  sets = bench.cell_inputs(data, "block_pallas", 384, 3)
+  assert bench.cell_inputs(data, "block_ragged_dot", 384, 3) is sets  # one draw for both paths
+  assert bench.cell_inputs(data, "pallas", 384, 3) is data[(384, 3)]
+  for (x_sorted, sizes, touched, ids), (tokens, (block_ids, weights), block_touched, _) in zip(data[(384, 3)], sets):
+    assert tokens.shape == (3, 16) and block_touched == touched
+    np.testing.assert_array_equal(np.asarray(block_ids), ids)
+    # The sorted-rows cells' group sizes are these ids' counts: the same experts in both forms.
+    np.testing.assert_array_equal(np.bincount(ids.reshape(-1), minlength=385)[:384], np.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(weights).sum(1), 1.0, rtol=1e-6)
+  ids_48 = bench.routings(3, 48, seed=7)[0][3]
+  assert ids_48.max() <= 48 and (ids_48 == 48).sum() > 0  # other GPUs' experts: padding id E
