@@ -38,6 +38,9 @@ order (the issue's goal cells first) until ``--budget-s`` runs out; skipped cell
 ``--resume FILE ...`` carries the cells of earlier result files over (each row keeps its run's
 ceilings and is tagged with its run) and times only the cells they lack, so a grid too long for
 one device call fills up over several; ``--render-only`` writes the combined files without a GPU.
+The pool is sized for the longest ``--cached`` (or ``--pool-for``), and the launched split count
+follows the pool's length: a run that times only the 4k cells must pass ``--pool-for 131072`` for
+its cells to be comparable with the grid's.
 ``--variants`` then times kernel forms and probes side by side (``variant_list``: the transposed
 kernel "rows_n" and the 64-row-tile kernel "rows_m" at each listed cell, and probes that leave
 the loads, the compute or the P V products out);
@@ -349,6 +352,11 @@ def variant_list():
   return out
 
 
+def pool_context(args) -> int:
+  """The context the KV pool is sized for: ``--pool-for``, else the longest ``--cached``."""
+  return max(args.cached + ([args.pool_for] if args.pool_for else []))
+
+
 def run_variants(args, bandwidth, peak, results):
   pools = {}
   for (heads, batch, cached, q_len), label, kw in variant_list():
@@ -356,12 +364,12 @@ def run_variants(args, bandwidth, peak, results):
       continue
     if batch not in pools:
       pools.clear()
-      pool_len = max(args.cached) + 4096
+      pool_len = pool_context(args) + 4096
       rotations = max(2, min(16, math.ceil(3 * L2_BYTES / (batch * 4160 * BYTES_PER_TOKEN))))
       rotations = max(1, min(rotations, int(24e9 // (batch * pool_len * BYTES_PER_TOKEN))))
       pools[batch] = make_pool(batch, pool_len, rotations, jax.random.key(batch))
-    # A cell longer than the pool (sized by --cached) is skipped, listed with those cut for time.
-    if (cached > max(args.cached)
+    # A cell longer than the pool (``pool_context``) is skipped, listed with those cut for time.
+    if (cached > pool_context(args)
         or time.perf_counter() - args.start > args.budget_s + args.variants_budget_s):
       results["skipped_variants"].append(((heads, batch, cached, q_len), label))
       continue
@@ -565,6 +573,10 @@ def main():
   parser.add_argument("--variant-match", nargs="+", default=[],
                       help="only the variants whose label contains one of these strings")
   parser.add_argument("--name", default="bench_tree_attention")
+  parser.add_argument("--pool-for", type=int, default=None,
+                      help="size the KV pool for this context length (default: the longest --cached). "
+                           "The launched split count follows the pool, so cells compare only between "
+                           "runs with the same pool: the grid's pool is for 131072")
   parser.add_argument("--resume", type=Path, nargs="+", default=[],
                       help="earlier result JSONs whose cells are kept and not timed again")
   parser.add_argument("--render-only", action="store_true",
@@ -590,7 +602,7 @@ def main():
   if runs:
     results["runs"] = runs + [{k: results[k] for k in RUN_KEYS if k in results}]
   this_run = len(runs)
-  max_cached = max(args.cached)
+  max_cached = pool_context(args)
   pools = {}
   todo = [c for c in cells(args) if c not in {cell_of(r) for r in kept}]
   for i, (heads, batch, cached, q_len) in enumerate(todo):
