@@ -18,7 +18,9 @@ row buffer keeps the static size 8T, the rest is padding). Timed side by side in
 * ``block_pallas`` (bf16 and INT4) and ``block_ragged_dot`` (bf16): the model's whole routed block
   (``models.kimi.routed_block``: from tokens [T, H] and the routing, sort the rows by expert,
   gather them, run the experts, weight the rows and scatter-add them back to their tokens), so
-  that the table shows the glue a model layer pays around the experts, for both paths alike.
+  that the table shows the glue a model layer pays around the experts, for both paths alike
+  (384 experts only: the model has no expert-parallel path yet). Its rows are each token repeated
+  for its 8 experts, as the model gathers them, where the sorted-rows cells draw every row apart.
 
 Roofline: bytes of the touched experts' weights in the format used (bf16: 2 bytes per weight;
 INT4: half a byte plus a bf16 scale per 32) over the read-only stream bandwidth measured in the
@@ -307,8 +309,10 @@ def run(args, out: Path):
           continue  # the ids are used only where A <= E; elsewhere it would re-time "pallas"
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
+      # The model has no expert-parallel path yet (its block runs all E experts with the default
+      # expected_rows), so the block is timed where that is the configuration: all 384 experts.
       for fmt, impl in (("bf16", "block_pallas"), ("int4", "block_pallas"), ("bf16", "block_ragged_dot")):
-        if impl in args.impls and fmt in args.formats and t in args.block_tokens:
+        if impl in args.impls and fmt in args.formats and t in args.block_tokens and e == ALL_EXPERTS:
           cells.append((e, t, fmt, impl))
       for variant in ("pallas_registers", "pallas_serial"):
         if variant in args.impls and "int4" in args.formats and t in args.variant_tokens:
@@ -416,13 +420,20 @@ def run(args, out: Path):
 
 
 def resume(result, earlier):
-  """Adds ``earlier``'s rows for the cells this run did not time, marked with their run (1 + the
-  run they carry), and its runs' ceilings and commands under ``earlier_runs``: each row's fraction
-  is against the ceilings of the run that timed it."""
-  mine = {(r["experts"], r["tokens"], r["format"], r["impl"]) for r in result["rows"]}
-  for row in earlier["rows"]:
-    if (row["experts"], row["tokens"], row["format"], row["impl"]) not in mine:
-      result["rows"].append({**row, "run": 1 + row.get("run", 0)})
+  """Adds ``earlier``'s rows for the cells this run did not time (or timed only to an error,
+  which then gives way to an earlier timing), marked with their run (1 + the run they carry), and
+  its runs' ceilings and commands under ``earlier_runs``: each row's fraction is against the
+  ceilings of the run that timed it."""
+  def key(r):
+    return r["experts"], r["tokens"], r["format"], r["impl"]
+
+  mine = {key(r): r for r in result["rows"]}
+  earlier_timed = {key(r) for r in earlier["rows"] if "error" not in r}
+  # A cell this run could not time (deadline, compile error) keeps the earlier run's timing.
+  result["rows"] = [r for r in result["rows"] if "error" not in r or key(r) not in earlier_timed]
+  for r in earlier["rows"]:
+    if key(r) not in mine or ("error" in mine[key(r)] and "error" not in r):
+      result["rows"].append({**r, "run": 1 + r.get("run", 0)})
   result["earlier_runs"] = [{k: earlier[k] for k in ("argv", "ceilings", "check")}] + earlier.get("earlier_runs", [])
 
 
@@ -443,6 +454,8 @@ def markdown(result) -> str:
   ]
   for i, run_ in enumerate(result.get("earlier_runs", []), start=1):
     cells = sorted({(r["experts"], r["impl"]) for r in result["rows"] if r.get("run", 0) == i}, reverse=True)
+    if not cells:
+      continue
     caps_ = run_["ceilings"]
     lines += [f"Run {i} (an earlier run; its cells kept where this run did not time them: "
               + ", ".join(f"E={e} {impl}" for e, impl in cells)
@@ -487,7 +500,8 @@ def markdown(result) -> str:
     for t in sorted({r["tokens"] for r in result["rows"] if r["experts"] == e and r["impl"] in BLOCK_IMPLS}):
       pb, pi, rd = (by.get((e, t, f, i)) for f, i in (("bf16", "block_pallas"), ("int4", "block_pallas"),
                                                      ("bf16", "block_ragged_dot")))
-      alone = {f: by.get((e, t, f, "pallas_rows")) or by.get((e, t, f, "pallas")) for f in ("bf16", "int4")}
+      alone = {f: next((r for r in (by.get((e, t, f, "pallas_rows")), by.get((e, t, f, "pallas")))
+                        if r and "device_us" in r), None) for f in ("bf16", "int4")}
       ref = pb or pi or rd
       speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
                else "-")
@@ -559,7 +573,8 @@ def main():
                       help="T at which to time ragged_dot_mgpu for the first expert count (default all); "
                            "its 384-group kernel takes about 6 s to lower per T")
   parser.add_argument("--block-tokens", type=int, nargs="*", default=[1, 9, 17, 136],
-                      help="T at which to time the model's routed block (block_pallas, block_ragged_dot)")
+                      help="T at which to time the model's routed block (block_pallas, block_ragged_dot; "
+                           "at 384 experts only)")
   parser.add_argument("--resume", type=Path, default=None,
                       help="an earlier run's bench_moe.json: its rows for cells this run does not time are kept")
   parser.add_argument("--time-budget-s", type=float, default=120.0, help="skip timing cells past this")

@@ -20,7 +20,7 @@ Three times per cell (CUPTI, medians, the same calls):
     ``prepare_mla_window`` built outside the timed call: the attention kernel and the merge. This
     is what each layer of the model pays, since ``KimiModel`` builds the metadata once per step
     for all its layers (``meta_us``, timed alone: one fusion of about 1 us, or with live
-    splits, which batches of several requests run by default, about 7-9 us on the H200 for the
+    splits, which batches of several requests run by default, about 8-10 us on the H200 for the
     few small kernels that pick the split counts);
   * ``kernel_us``: the attention kernel alone (the longest kernel of the whole call).
 The reference's time is its whole call (it has no metadata to hoist); the speedup is given on
@@ -486,7 +486,7 @@ def markdown(results):
             "`prepare_mla_window` built outside the timed call: the attention kernel and the merge. "
             "What each model layer pays: `KimiModel` builds the metadata once per step for all "
             "layers (*meta us*, timed alone: one fusion of about 1 us, or where a batch runs live splits "
-            "about 7-9 us for the few small kernels that pick each request's split count).",
+            "about 8-10 us for the few small kernels that pick each request's split count).",
             "- *kernel us*: the attention kernel alone (no metadata, no merge).",
             "- *reference us*: the plain-jnp reference, whole call (it has nothing to hoist). "
             "*speedup* = reference / time; *speedup (layer)* = reference / layer.",

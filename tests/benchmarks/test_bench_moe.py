@@ -73,3 +73,17 @@ def test_block_inputs_are_the_cells_routing_and_cached(bench, monkeypatch):
     np.testing.assert_allclose(np.asarray(weights).sum(1), 1.0, rtol=1e-6)
   ids_48 = bench.routings(3, 48, seed=7)[0][3]
   assert ids_48.max() <= 48 and (ids_48 == 48).sum() > 0  # other GPUs' experts: padding id E
+
+
+def test_resume_keeps_an_earlier_timing_where_this_run_failed(bench):
+  earlier = result([row(384, 136, "bf16", "ragged_dot", 51000.0),
+                    dict(experts=384, tokens=544, format="bf16", impl="ragged_dot", distinct_experts=384.0,
+                         roofline_us=7000.0, error="JaxRuntimeError: RESOURCE_EXHAUSTED")], ["--old"])
+  failed = dict(experts=384, tokens=136, format="bf16", impl="ragged_dot", distinct_experts=362.9,
+                roofline_us=7000.0, error="skipped: benchmark deadline")
+  now = result([failed, row(384, 544, "bf16", "ragged_dot", 210000.0)], ["--new"])
+  bench.resume(now, earlier)
+  by = {(r["tokens"], r["impl"]): r for r in now["rows"]}
+  assert len(now["rows"]) == 2
+  assert by[(136, "ragged_dot")]["device_us"] == 51000.0 and by[(136, "ragged_dot")]["run"] == 1
+  assert by[(544, "ragged_dot")]["device_us"] == 210000.0  # this run's timing beats an earlier error
