@@ -235,6 +235,9 @@ IMPLS = {
                                                    sorted_expert_ids=g[1]),
     "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
     "ragged_dot_mgpu": ragged_dot_mgpu_layer,
+    # The model's routed block (``BLOCK_IMPLS``): its "x" is the tokens, its "g" (ids, weights).
+    "block_pallas": lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "pallas"),
+    "block_ragged_dot": lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "xla"),
 }
 
 
@@ -243,8 +246,6 @@ ROW_ID_IMPLS = ("pallas_rows",)
 # rows, the experts, weight and scatter-add back to tokens), from tokens [T, H] and the routing
 # (ids [T, 8], weights [T, 8]): all the glue a model layer pays around the experts.
 BLOCK_IMPLS = ("block_pallas", "block_ragged_dot")
-IMPLS["block_pallas"] = lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "pallas")
-IMPLS["block_ragged_dot"] = lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "xla")
 
 
 def block_inputs(impl, sets, seed):
