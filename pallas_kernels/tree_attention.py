@@ -60,8 +60,8 @@ Layout of the work (why it is shaped this way):
     and its base-2 log-sum-exp. One
     Mosaic GPU kernel merges them where it was timed faster (``_merge_kernel``: one CTA per real
     output row and block of 256 columns reads that block of every split with one TMA box and
-    writes the final float32 block; ``Options.merge="auto"`` takes it for 64..512 merged rows in
-    all of fp32 partials and 64..520 of bf16, else the XLA merge, "pairwise": split weights, then one
+    writes the final float32 block; ``Options.merge="auto"`` takes it for 8..512 merged rows of
+    fp32 partials (128 columns a CTA below 64 rows) and 64..520 of bf16, else the XLA merge, "pairwise": split weights, then one
     weighted-sum reduction, two kernels; "kernel" forces it wherever one block of every split
     fits a CTA's shared memory). H200, b1/32k/q17, same run, per layer: 35.5-35.6 us with the
     merge kernel (3.49 us of it; 4.06 with one CTA per whole row, the first design) against 37.9
@@ -227,8 +227,9 @@ class Options:
     two warpgroups owning half of Dv; ``_kernel_rows_m``); "auto": "rows_m" where it applies (Dv
     a multiple of 128, at most 512) and a group has at least ``rows_m_min`` rows, else "rows_n".
   rows_m_min: rows per group (q_len x heads per group) from which "auto" takes "rows_m".
-  merge_columns: output columns per merge-kernel CTA, 0 (``MERGE_COLUMNS``) or a multiple of 128
-    (see ``_merge_columns``).
+  merge_columns: output columns per merge-kernel CTA, 0 (``MERGE_COLUMNS``, or
+    ``MERGE_COLUMNS_FEW_ROWS`` below ``FEW_MERGED_ROWS`` merged rows) or a multiple of 128 (see
+    ``_merge_columns``).
   epilogue: how "rows_m" writes each split's partial output. "registers": every thread stores its
     WGMMA fragments straight to global memory. "smem" (bf16 partials, query width = Dv): each
     compute warpgroup writes its half of O into the query tile's first part, idle once warpgroup
@@ -1440,7 +1441,7 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
     # nothing, which the kernel stores as zeros), so the weighted sum is the partial itself. No
     # merge kernels; a slice and a cast at most (bit-identical to the general path, tested).
     return o_part[:, 0].reshape(bg_count, n_rt * rs, dv)[:, :rows].astype(jnp.float32)
-  columns = pl_.options.merge_columns
+  columns = pl_.options.merge_columns or _default_merge_columns(bg_count * rows)
   if _merge_kernel_applies(pl_.options.merge, o_part, bg_count * rows) and _merge_kernel_fits(
       o_part.shape, lse_part.shape, columns, o_part.dtype.itemsize):
     return _merge_kernel(o_part, lse_part, rows, columns=columns, interpret=interpret,
@@ -1467,10 +1468,11 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
 
 MERGE_SMEM_LIMIT = 200 * 1024  # bytes of one merge CTA's partials and log-sum-exps
 # Merged rows (one merge-kernel CTA each) where merge="auto" takes the kernel: the cells it was
-# timed faster in (H200, h8 b1 32k, q_len 9/17/33: 72/136/264 rows) with some margin. Untimed
-# elsewhere: at batch 32 or 64 heads it launches thousands of small CTAs, at q_len 1 a few CTAs
-# each holding up to 128 KB of partials; the XLA merge runs there until they are timed.
-MERGE_KERNEL_ROWS = (64, 512)
+# timed faster in (H200, h8 b1 32k, q_len 9/17/33: 72/136/264 rows; h8 b1 q_len 1, 8 rows of 130
+# splits, in 128-column blocks: 16.5 against 17.8 us per layer at 32k, 42.1 against 43.7 at 128k,
+# ``bench_tree_attention_q1merge``) with some margin; 9..63 rows are between timed cells. Untimed
+# above: at batch 32 or 64 heads it launches thousands of small CTAs; the XLA merge runs there.
+MERGE_KERNEL_ROWS = (8, 512)
 # The same for bf16 partials (the staged epilogue's): timed faster than the XLA merge at 136, 264
 # and 520 rows (h8 b1 32k q17/q33/q65: 3.1 us against 6.5 per layer at q17; ``bench_tree_attention_
 # epilogue``).
@@ -1487,6 +1489,16 @@ def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
 
 
 MERGE_COLUMNS = 256  # output columns per merge-kernel CTA (``Options.merge_columns`` = 0)
+# Below this many merged rows, 128 columns a CTA (``MERGE_COLUMNS_FEW_ROWS``): more CTAs, more
+# loads in flight. h8 b1 q_len 1 (8 rows, 130 splits), same run: 16.5 / 42.1 us per layer at 32k /
+# 128k with 128 columns, 16.9 / 42.3 with 256 (``bench_tree_attention_q1merge``).
+FEW_MERGED_ROWS = 64
+MERGE_COLUMNS_FEW_ROWS = 128
+
+
+def _default_merge_columns(merged_rows: int) -> int:
+  """``Options.merge_columns`` = 0 resolved for this many merged rows (bg x rows)."""
+  return MERGE_COLUMNS_FEW_ROWS if merged_rows < FEW_MERGED_ROWS else MERGE_COLUMNS
 
 
 def _merge_chunk(dv: int, columns: int, itemsize: int = 4) -> int:
