@@ -17,7 +17,8 @@ row buffer keeps the static size 8T, the rest is padding). Timed side by side in
   each projection with the SwiGLU in XLA, bf16.
 * ``block_pallas`` (bf16 and INT4) and ``block_ragged_dot`` (bf16): the model's whole routed block
   (``models.kimi.routed_block``: from tokens [T, H] and the routing, sort the rows by expert,
-  gather them, run the experts, weight the rows and scatter-add them back to their tokens), so
+  gather them, run the experts, weight the rows and add each token's rows: on the GPU a gather
+  and an elementwise sum, not an atomic scatter-add), so
   that the table shows the glue a model layer pays around the experts, for both paths alike
   (384 experts only: the model has no expert-parallel path yet). Its rows are each token repeated
   for its 8 experts, as the model gathers them, where the sorted-rows cells draw every row apart.
@@ -243,7 +244,7 @@ IMPLS = {
 
 ROW_ID_IMPLS = ("pallas_rows",)
 # The model's whole routed block (``models.kimi.routed_block``: sort by expert, bincount, gather the
-# rows, the experts, weight and scatter-add back to tokens), from tokens [T, H] and the routing
+# rows, the experts, weight and add each token's rows back), from tokens [T, H] and the routing
 # (ids [T, 8], weights [T, 8]): all the glue a model layer pays around the experts.
 BLOCK_IMPLS = ("block_pallas", "block_ragged_dot")
 
@@ -493,7 +494,7 @@ def markdown(result) -> str:
   for e in sorted({r["experts"] for r in result["rows"] if r["impl"] in BLOCK_IMPLS}, reverse=True):
     lines += [f"## The model's routed block, {e} experts", "",
               "`models.kimi.routed_block` from tokens and routing: sort by expert, gather the rows, the experts, "
-              "weight and scatter-add back to tokens. *experts alone*: the sorted-rows call the model makes inside "
+              "weight and add each token's rows back (on the GPU a gather-add, `gather_add_rows`). *experts alone*: the sorted-rows call the model makes inside "
               "it (`pallas_rows` where 8T <= E, else `pallas`) from the table above.", "",
               "| T | distinct experts | pallas bf16 block GPU | of roofline | experts alone | pallas INT4 block GPU "
               "| of roofline | experts alone | ragged_dot bf16 block GPU | ragged_dot / pallas (bf16 blocks) |",

@@ -15,6 +15,7 @@ decoding is ``Q = 1``; a prefill chunk is a causal window.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -381,11 +382,43 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
       # (the reference path: it reads every expert).
       experts = int4.dequantize_experts(experts, jnp.bfloat16)
     y = routed_experts(tokens[token_of_row], group_sizes, *experts)
-  # Rows past sum(group_sizes) (padded tokens) are zero by ragged_dot's contract; `where` keeps
-  # them zero (and finite) even for a kernel that leaves them unwritten.
+  # Rows past sum(group_sizes) (routed nowhere: id E, sorted last) are zero by ragged_dot's
+  # contract; the combines' `where` keeps them zero (and finite) even for a kernel that leaves
+  # them unwritten.
   routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)
-  y = jnp.where(routed[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-  return jnp.zeros((m, tokens.shape[1]), jnp.float32).at[token_of_row].add(y), group_sizes
+  weight_of_row = weights.reshape(-1)[order]
+  out = jax.lax.platform_dependent(y, order, weight_of_row, routed, cpu=functools.partial(scatter_add_rows, k=k),
+                                   default=functools.partial(gather_add_rows, k=k))
+  return out, group_sizes
+
+
+def scatter_add_rows(y, order, weight_of_row, routed, *, k: int):
+  """float32 [M, H]: each token's weighted rows, added by a scatter-add in sorted order.
+
+  Args: y [M * K, H] rows in sorted order; order int [M * K] (sorted row -> token * K + slot);
+  weight_of_row, routed [M * K]. The CPU's form: XLA adds there in update order, one row at a
+  time. On the GPU a float scatter-add uses atomics, which add a token's rows in an order that
+  changes from run to run (``gather_add_rows`` runs there).
+  """
+  rows = jnp.where(routed[:, None], y.astype(jnp.float32) * weight_of_row[:, None], 0.0)
+  return jnp.zeros((order.shape[0] // k, y.shape[1]), jnp.float32).at[order // k].add(rows)
+
+
+def gather_add_rows(y, order, weight_of_row, routed, *, k: int):
+  """``scatter_add_rows`` without atomics (the GPU's form): each token gathers its k rows through
+  the inverse permutation and adds them in slot order, in one elementwise fusion. A token's
+  output depends only on its own rows, the same in every run and every batch (the Pallas kernel
+  computes each row alike whatever the other rows). The inverse permutation is one scatter of
+  M * K ints with unique indices (no atomics); a stable argsort of the rows' tokens (each token's
+  rows in sorted order) cost 1.6 us at T = 1 and 14 us at T = 136 on the H200."""
+  m = order.shape[0] // k
+  row_of = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                               unique_indices=True).reshape(m, k)  # [M, K]
+  out = jnp.zeros((m, y.shape[1]), jnp.float32)
+  for slot in range(k):
+    row = row_of[:, slot]
+    out = out + jnp.where(routed[row, None], y[row].astype(jnp.float32) * weight_of_row[row, None], 0.0)
+  return out
 
 
 class DecoderLayer(nnx.Module):

@@ -28,7 +28,7 @@ the experts touched. Here work follows them:
      item w's block at rows [w * R, w * R + R)).
   2. ``down``: ``h @ W_down`` (float32 accumulation), bf16 [W * R, H]; one take brings the rows
      back to x_sorted's order.
-  The routing weights and the scatter-add back to tokens stay with the caller (``MoE.__call__``),
+  The routing weights and the sum back to tokens stay with the caller (``models.kimi.routed_block``),
   which already owns them: they cost O(A * H) against the O(touched * H * I) weight stream.
 * **Weights**: bf16 in the model's layout (gate/up [E, H, I], down [E, I, H]; the tensor core
   transposes the tile for free), or INT4 kept packed on the device in ``KernelInt4Matrix``'s

@@ -3,6 +3,9 @@
 All tests run the tiny config in float32 on the CPU.
 """
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -337,3 +340,52 @@ def test_routed_block_matches_a_float64_loop_and_zeroes_rows_routed_nowhere():
   with pytest.raises(ValueError, match="moe_impl='triton'"):
     kimi.routed_block(jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(weights),
                       int4.Bf16Experts(*map(jnp.asarray, (gate, up, down))), "triton")
+
+
+def test_routed_block_lowers_without_a_float_scatter_add_for_the_gpu():
+  """On the GPU the combine is ``gather_add_rows`` (no float scatter-add: XLA's adds a token's rows
+  with atomics there, in an order that changes from run to run); on the CPU ``scatter_add_rows``.
+  Checked on the programs lowered for each platform (no GPU needed; the combine is the same code
+  for both ``moe_impl``, and the Pallas path cannot be lowered for the GPU here)."""
+  m, k, e, h, i = 3, 2, 4, 16, 16
+  experts = int4.Bf16Experts(*(jnp.zeros(s, jnp.bfloat16) for s in ((e, h, i), (e, h, i), (e, i, h))))
+  args = (jnp.zeros((m, h), jnp.bfloat16), jnp.zeros((m, k), jnp.int32), jnp.zeros((m, k)))
+
+  def float_scatter_adds(platform):
+    block = jax.jit(lambda x, ids, w: kimi.routed_block(x, ids, w, experts, "xla"))
+    text = block.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return re.findall(r'"stablehlo.scatter"[^\n]*\n\s*\^bb0\(%\w+: tensor<f32>', text), text
+
+  cpu, _ = float_scatter_adds("cpu")
+  cuda, text = float_scatter_adds("cuda")
+  assert cpu, "the CPU program should hold the scatter-add (else this check detects nothing)"
+  assert not cuda and "stablehlo.sort" in text
+
+
+def test_gather_add_rows_equals_the_scatter_add_and_is_batch_invariant():
+  """The GPU's combine against the CPU's and a float64 sum, with rows routed nowhere; and a
+  token's output is bit for bit the same when the batch holds only it."""
+  rng = np.random.default_rng(5)
+  m, k, e, h = 6, 3, 5, 40
+  ids = np.stack([rng.permutation(e + 1)[:k] for _ in range(m)]).astype(np.int32)
+  weights = rng.random((m, k)).astype(np.float32)
+  rows_by_slot = rng.standard_normal((m, k, h)).astype(np.float32)  # the experts' output of (token, slot)
+
+  def combine(fn, tokens):
+    flat = ids[tokens].reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    t_rows = rows_by_slot[tokens].reshape(-1, h)[order]
+    routed = np.arange(len(flat)) < np.sum(flat < e)
+    return np.asarray(jax.jit(functools.partial(fn, k=k))(
+        jnp.asarray(t_rows, jnp.bfloat16), jnp.asarray(order), jnp.asarray(weights[tokens].reshape(-1)[order]),
+        jnp.asarray(routed)))
+
+  every = np.arange(m)
+  got = combine(kimi.gather_add_rows, every)
+  bf16_rows = np.asarray(jnp.asarray(rows_by_slot, jnp.bfloat16), np.float64)
+  want = np.einsum("mk,mkh->mh", np.where(ids < e, weights, 0.0), bf16_rows)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, combine(kimi.scatter_add_rows, every), rtol=1e-6, atol=1e-6)
+  for t in (0, 3):
+    np.testing.assert_array_equal(combine(kimi.gather_add_rows, np.array([t]))[0], got[t])
+  np.testing.assert_array_equal(combine(kimi.gather_add_rows, every[::-1])[::-1], got)

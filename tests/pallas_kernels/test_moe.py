@@ -584,6 +584,36 @@ def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, grid_order):
   assert (np.asarray(down_steps) > 0).sum() == items * 4  # H = 256: four output tiles
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_gpu_routed_block_is_batch_invariant_and_deterministic(gpu, fmt):
+  """The model's routed block on the real kernel: a token's output is bit for bit the same alone,
+  in a batch of 9 in any order, and in a repeated run (K2.6's H and I, 48 experts, top-8). The
+  kernel computes each row alike whatever the other rows, and the combine sums each token's own
+  rows in one reduction (a float scatter-add would add them with atomics in a run-dependent order)."""
+  rng = np.random.default_rng(31)
+  e, h, inter, m, k = 48, 7168, 2048, 9, 8
+  experts = as_format(random_weights(31, num_experts=e, hidden=h, inter=inter, scale=0.02), fmt)
+  tokens = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(m)]).astype(np.int32)
+  ids[4, :3] = e  # three of token 4's rows routed nowhere (experts held elsewhere)
+  weights = jnp.asarray(rng.random((m, k)), jnp.float32)
+  # The experts go in as an argument: closed over, 4 GB of them would be compiled in as constants.
+  block = jax.jit(lambda x, i, w, ex: kimi.routed_block(x, i, w, ex, "pallas")[0])
+  batch = np.asarray(block(tokens, jnp.asarray(ids), weights, experts))
+  assert np.isfinite(batch).all() and np.abs(batch).max() > 0
+  np.testing.assert_array_equal(np.asarray(block(tokens, jnp.asarray(ids), weights, experts)), batch)
+  flip = np.arange(m)[::-1]
+  np.testing.assert_array_equal(
+      np.asarray(block(tokens[flip], jnp.asarray(ids[flip]), weights[flip], experts))[flip], batch)
+  for t in (0, 4):
+    alone = block(tokens[t:t + 1], jnp.asarray(ids[t:t + 1]), weights[t:t + 1], experts)
+    np.testing.assert_array_equal(np.asarray(alone)[0], batch[t])
+  want = np.asarray(jax.jit(lambda x, i, w, ex: kimi.routed_block(x, i, w, ex, "xla")[0])(
+      tokens, jnp.asarray(ids), weights, experts))
+  assert np.linalg.norm(batch - want) / np.linalg.norm(want) < REL_L2
+
+
 def teacher_forced_logits(model, sequences, chunk_size):
   """float32 [B, T, V] logits of every position of ``sequences`` (one prefill per call)."""
   from models import cache as cache_lib
