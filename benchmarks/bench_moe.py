@@ -474,7 +474,7 @@ def markdown(result) -> str:
   def wall(r):
     return f"{r['time_us']:.0f} ({r['roofline_fraction']:.0%})" if r and "time_us" in r else "-"
 
-  for e in sorted({r["experts"] for r in result["rows"]}, reverse=True):
+  for e in sorted({r["experts"] for r in result["rows"] if r["impl"] not in BLOCK_IMPLS}, reverse=True):
     lines += [f"## {e} experts", "",
               "| T | distinct experts | bf16 roofline | pallas bf16 GPU | of roofline | wall | INT4 roofline "
               "| pallas INT4 GPU | of roofline | wall | ragged_dot bf16 GPU | ragged_dot_mgpu bf16 GPU "
@@ -483,7 +483,9 @@ def markdown(result) -> str:
     for t in sorted({r["tokens"] for r in result["rows"] if r["experts"] == e}):
       pb, pi, rd, mg = (by.get((e, t, f, i)) for f, i in (("bf16", "pallas"), ("int4", "pallas"),
                                                          ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")))
-      ref = pb or pi or rd
+      ref = pb or pi or rd or mg
+      if ref is None:  # only block cells at this T
+        continue
       speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
                else "-")
       lines.append(
@@ -504,7 +506,9 @@ def markdown(result) -> str:
                                                      ("bf16", "block_ragged_dot")))
       alone = {f: next((r for r in (by.get((e, t, f, "pallas_rows")), by.get((e, t, f, "pallas")))
                         if r and "device_us" in r), None) for f in ("bf16", "int4")}
-      ref = pb or pi or rd
+      ref = pb or pi or rd or mg
+      if ref is None:  # only block cells at this T
+        continue
       speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
                else "-")
       lines.append(f"| {t} | {ref['distinct_experts']:.1f} | {gpu(pb)} | {frac(pb)} | {gpu(alone['bf16'])} "
@@ -522,17 +526,30 @@ def markdown(result) -> str:
     lines += [f"- E={r['experts']} T={r['tokens']} {r['format']} {r['impl']}: {r.get('error') or r['device_error']}"
               for r in errors]
     lines.append("")
-  if "rel_l2_vs_ragged_dot" in result.get("check", {}):
-    lines.append(f"Check at K2.6 size: pallas bf16 vs ragged_dot relative L2 {result['check']['rel_l2_vs_ragged_dot']:.1e} "
-                 f"({result['check']['experts']} experts, T = {result['check']['tokens']}).")
-  block_checks = {k: v for k, v in result.get("check", {}).items() if k.startswith("block_pallas")}
+  # Each kind of check from the newest run that made it (a run that times only some impls
+  # cannot check the others), with its run number where that is an earlier run.
+  checks = [result.get("check", {})] + [r.get("check", {}) for r in result.get("earlier_runs", [])]
+
+  def newest(keep):
+    """(the newest run's checks that ``keep`` selects, that run's label: '' for this run)."""
+    for i, check in enumerate(checks):
+      picked = {k: v for k, v in check.items() if keep(k)}
+      if picked:
+        return picked, f" (run {i})" if i else ""
+    return {}, ""
+
+  k26, run_k26 = newest(lambda k: k in ("experts", "tokens", "rel_l2_vs_ragged_dot"))
+  if "rel_l2_vs_ragged_dot" in k26:
+    lines.append(f"Check at K2.6 size{run_k26}: pallas bf16 vs ragged_dot relative L2 {k26['rel_l2_vs_ragged_dot']:.1e} "
+                 f"({k26['experts']} experts, T = {k26['tokens']}).")
+  block_checks, run_block = newest(lambda k: k.startswith("block_pallas"))
   if block_checks:
-    lines.append("Routed block, kernel path against the ragged_dot path on the same bf16 weights: "
+    lines.append(f"Routed block, kernel path against the ragged_dot path on the same bf16 weights{run_block}: "
                  + "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in block_checks.items())
                  + ".")
-  row_id_checks = {k: v for k, v in result.get("check", {}).items() if k.startswith(ROW_ID_IMPLS)}
+  row_id_checks, run_rows = newest(lambda k: k.startswith(ROW_ID_IMPLS))
   if row_id_checks:
-    lines.append("Work list from row ids against the default, same routings: "
+    lines.append(f"Work list from row ids against the default, same routings{run_rows}: "
                  + "; ".join(f"{k}: {v}" for k, v in row_id_checks.items()) + ".")
   for fmt in ("bf16", "int4"):
     pairs = [(r, by.get((r["experts"], r["tokens"], fmt, "pallas"))) for r in result["rows"]

@@ -405,18 +405,16 @@ def scatter_add_rows(y, order, weight_of_row, routed, *, k: int):
 
 
 def gather_add_rows(y, order, weight_of_row, routed, *, k: int):
-  """``scatter_add_rows`` without atomics (the GPU's form): each token gathers its k rows through
-  the inverse permutation and adds them in slot order, in one elementwise fusion. A token's
-  output depends only on its own rows, the same in every run and every batch (the Pallas kernel
-  computes each row alike whatever the other rows). The inverse permutation is one scatter of
-  M * K ints with unique indices (no atomics); a stable argsort of the rows' tokens (each token's
-  rows in sorted order) cost 1.6 us at T = 1 and 14 us at T = 136 on the H200."""
+  """``scatter_add_rows`` without atomics (the GPU's form): each token gathers its k rows and adds
+  them in sorted (expert) order, the CPU's order, in one elementwise fusion. A token's output
+  depends only on its own rows, the same in every run and every batch (the Pallas kernel computes
+  each row alike whatever the other rows). One stable sort of the rows' tokens finds each token's
+  rows in sorted order."""
   m = order.shape[0] // k
-  row_of = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                               unique_indices=True).reshape(m, k)  # [M, K]
+  rows_of_token = jnp.argsort(order // k, stable=True).reshape(m, k)  # [M, K], ascending
   out = jnp.zeros((m, y.shape[1]), jnp.float32)
   for slot in range(k):
-    row = row_of[:, slot]
+    row = rows_of_token[:, slot]
     out = out + jnp.where(routed[row, None], y[row].astype(jnp.float32) * weight_of_row[row, None], 0.0)
   return out
 

@@ -59,10 +59,10 @@ Layout of the work (why it is shaped this way):
     default, bf16 staged in the idle query tile and stored by one TMA copy, ``Options.epilogue``),
     and its base-2 log-sum-exp. One
     Mosaic GPU kernel merges them where it was timed faster (``_merge_kernel``: one CTA per real
-    output row and block of 256 columns reads that block of every split with one TMA box and
-    writes the final float32 block; ``Options.merge="auto"`` takes it for 8..512 merged rows of
-    fp32 partials (128 columns a CTA below 64 rows) and 64..520 of bf16, else the XLA merge, "pairwise": split weights, then one
-    weighted-sum reduction, two kernels; "kernel" forces it wherever one block of every split
+    output row and block of columns, 256 by default and 128 below 64 merged rows, reads that block
+    of every split with one TMA box and writes the final float32 block; ``Options.merge="auto"``
+    takes it for 8..512 merged rows of fp32 partials and 64..520 of bf16, else the XLA merge,
+    "pairwise": split weights, then one weighted-sum reduction, two kernels; "kernel" forces it wherever one block of every split
     fits a CTA's shared memory). H200, b1/32k/q17, same run, per layer: 35.5-35.6 us with the
     merge kernel (3.49 us of it; 4.06 with one CTA per whole row, the first design) against 37.9
     with the XLA merge (2.24 + 3.55 us); it moves the 12 MB of fp32 partials of the real rows.
@@ -1470,8 +1470,9 @@ MERGE_SMEM_LIMIT = 200 * 1024  # bytes of one merge CTA's partials and log-sum-e
 # Merged rows (one merge-kernel CTA each) where merge="auto" takes the kernel: the cells it was
 # timed faster in (H200, h8 b1 32k, q_len 9/17/33: 72/136/264 rows; h8 b1 q_len 1, 8 rows of 130
 # splits, in 128-column blocks: 16.5 against 17.8 us per layer at 32k, 42.1 against 43.7 at 128k,
-# ``bench_tree_attention_q1merge``) with some margin; 9..63 rows are between timed cells. Untimed
-# above: at batch 32 or 64 heads it launches thousands of small CTAs; the XLA merge runs there.
+# ``bench_tree_attention_q1merge``); 9..71 rows are untimed (between timed cells), the upper bound
+# has some margin. Untimed above it: at batch 32 or 64 heads it launches thousands of small CTAs;
+# the XLA merge runs there.
 MERGE_KERNEL_ROWS = (8, 512)
 # The same for bf16 partials (the staged epilogue's): timed faster than the XLA merge at 136, 264
 # and 520 rows (h8 b1 32k q17/q33/q65: 3.1 us against 6.5 per layer at q17; ``bench_tree_attention_
@@ -1490,8 +1491,10 @@ def _merge_kernel_applies(merge: str, o_part, merged_rows: int) -> bool:
 
 MERGE_COLUMNS = 256  # output columns per merge-kernel CTA (``Options.merge_columns`` = 0)
 # Below this many merged rows, 128 columns a CTA (``MERGE_COLUMNS_FEW_ROWS``): more CTAs, more
-# loads in flight. h8 b1 q_len 1 (8 rows, 130 splits), same run: 16.5 / 42.1 us per layer at 32k /
-# 128k with 128 columns, 16.9 / 42.3 with 256 (``bench_tree_attention_q1merge``).
+# loads in flight, and a block of up to 256 splits fits. h8 b1 q_len 1 (8 rows, 130 splits), same
+# run: 16.5 / 42.1 us per layer at 32k / 128k with 128 columns, 16.9 / 42.3 with 256
+# (``bench_tree_attention_q1merge``; within the run-to-run spread, as 128 against 256 was at 136
+# rows, see ``_merge_kernel``).
 FEW_MERGED_ROWS = 64
 MERGE_COLUMNS_FEW_ROWS = 128
 

@@ -87,3 +87,23 @@ def test_resume_keeps_an_earlier_timing_where_this_run_failed(bench):
   assert len(now["rows"]) == 2
   assert by[(136, "ragged_dot")]["device_us"] == 51000.0 and by[(136, "ragged_dot")]["run"] == 1
   assert by[(544, "ragged_dot")]["device_us"] == 210000.0  # this run's timing beats an earlier error
+
+
+def test_checks_come_from_the_newest_run_that_made_them(bench):
+  # A run that times only the block cells cannot check pallas against ragged_dot (nor the row-id
+  # work list): the table then shows the earlier run's checks, labelled with their run.
+  now = result([row(384, 1, "bf16", "block_pallas", 180.0)], ["--new"])
+  now["check"] = {"error": "KeyError: (384, 17, 'bf16', 'pallas')",
+                  "block_pallas bf16 E=384 T=1 rel L2 vs block_ragged_dot": 5.1e-3}
+  now["earlier_runs"] = [
+      dict(argv=["--old"], ceilings=now["ceilings"],
+           check={"experts": 384, "tokens": 17, "rel_l2_vs_ragged_dot": 4.9e-3,
+                  "block_pallas bf16 E=384 T=1 rel L2 vs block_ragged_dot": 9.9e-3,
+                  "pallas_rows int4 E=384 T=1 bit-identical to pallas": True}),
+      dict(argv=["--oldest"], ceilings=now["ceilings"],
+           check={"experts": 48, "tokens": 17, "rel_l2_vs_ragged_dot": 7.7e-3})]
+  text = bench.markdown(now)
+  assert "Check at K2.6 size (run 1): pallas bf16 vs ragged_dot relative L2 4.9e-03 (384 experts, T = 17)." in text
+  assert "same bf16 weights: block_pallas bf16 E=384 T=1 rel L2 vs block_ragged_dot 5.1e-03." in text
+  assert "9.9e-03" not in text and "7.7e-03" not in text
+  assert "same routings (run 1): pallas_rows int4 E=384 T=1 bit-identical to pallas: True." in text

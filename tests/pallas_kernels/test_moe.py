@@ -588,9 +588,10 @@ def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, grid_order):
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_gpu_routed_block_is_batch_invariant_and_deterministic(gpu, fmt):
   """The model's routed block on the real kernel: a token's output is bit for bit the same alone,
-  in a batch of 9 in any order, and in a repeated run (K2.6's H and I, 48 experts, top-8). The
-  kernel computes each row alike whatever the other rows, and the combine sums each token's own
-  rows in one reduction (a float scatter-add would add them with atomics in a run-dependent order)."""
+  in a batch of 9 in either order, and in a repeated run (K2.6's H and I, 48 experts, top-8). The
+  kernel computes each row alike whatever the other rows, and the combine adds each token's own
+  rows in a fixed order (a float scatter-add adds them with atomics, in an order that may change
+  between runs; whether it does in this test's runs is up to the GPU's scheduling)."""
   rng = np.random.default_rng(31)
   e, h, inter, m, k = 48, 7168, 2048, 9, 8
   experts = as_format(random_weights(31, num_experts=e, hidden=h, inter=inter, scale=0.02), fmt)

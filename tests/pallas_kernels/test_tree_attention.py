@@ -264,6 +264,10 @@ def test_merge_kernel_blocks_narrow_below_64_merged_rows():
 
   grids = list(kernel_grids(jax.make_jaxpr(merge(0))(o, lse).jaxpr))
   assert grids == [(1, rt, dv // 128)], grids
+  # From 64 merged rows, MERGE_COLUMNS (256) a CTA.
+  o64, lse64 = jnp.zeros((8, splits, 1, rt, dv)), jnp.zeros((8, splits, 1, rt))
+  grids = list(kernel_grids(jax.make_jaxpr(merge(0))(o64, lse64).jaxpr))
+  assert grids == [(8, rt, dv // ta.MERGE_COLUMNS)], grids
   got = np.asarray(merge(0, INTERPRET)(o, lse))
   check_no_races()
   weight = np.exp2(np.asarray(lse, np.float64) - np.asarray(lse).max(axis=1, keepdims=True))
@@ -400,6 +404,7 @@ def test_merge_auto_takes_the_kernel_only_where_it_was_timed():
 
   assert lo == 8  # q_len 1 at 8 heads and batch 1 takes the kernel (timed faster there)
   assert kinds(1, lo, jnp.float32) == "kernel"
+  assert kinds(1, lo - 4, jnp.float32) == "pairwise"
   assert kinds(2, hi // 2, jnp.float32) == "kernel"
   assert kinds(3, hi // 2, jnp.float32) == "pairwise"
   lo16, hi16 = ta.MERGE_KERNEL_ROWS_BF16
