@@ -62,8 +62,8 @@ Layout of the work (why it is shaped this way):
     output row and block of columns, 256 by default and 128 below 64 merged rows, reads that block
     of every split with one TMA box and writes the final float32 block; ``Options.merge="auto"``
     takes it for 8..512 merged rows of fp32 partials and 64..520 of bf16, else the XLA merge,
-    "pairwise": split weights, then one weighted-sum reduction, two kernels; "kernel" forces it wherever one block of every split
-    fits a CTA's shared memory). H200, b1/32k/q17, same run, per layer: 35.5-35.6 us with the
+    "pairwise": split weights, then one weighted-sum reduction, two kernels; "kernel" forces it
+    wherever one block of every split fits a CTA's shared memory). H200, b1/32k/q17, same run, per layer: 35.5-35.6 us with the
     merge kernel (3.49 us of it; 4.06 with one CTA per whole row, the first design) against 37.9
     with the XLA merge (2.24 + 3.55 us); it moves the 12 MB of fp32 partials of the real rows.
     A plan with one split has nothing to merge: the partial is the output (no merge kernel).
