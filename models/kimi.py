@@ -387,31 +387,31 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
   # them unwritten.
   routed = jnp.arange(flat_ids.shape[0]) < jnp.sum(group_sizes)
   weight_of_row = weights.reshape(-1)[order]
-  out = jax.lax.platform_dependent(y, order, weight_of_row, routed, cpu=functools.partial(scatter_add_rows, k=k),
+  out = jax.lax.platform_dependent(y, token_of_row, weight_of_row, routed, cpu=functools.partial(scatter_add_rows, k=k),
                                    default=functools.partial(gather_add_rows, k=k))
   return out, group_sizes
 
 
-def scatter_add_rows(y, order, weight_of_row, routed, *, k: int):
+def scatter_add_rows(y, token_of_row, weight_of_row, routed, *, k: int):
   """float32 [M, H]: each token's weighted rows, added by a scatter-add in sorted order.
 
-  Args: y [M * K, H] rows in sorted order; order int [M * K] (sorted row -> token * K + slot);
+  Args: y [M * K, H] rows in sorted order; token_of_row int [M * K] (each sorted row's token);
   weight_of_row, routed [M * K]. The CPU's form: XLA adds there in update order, one row at a
   time. On the GPU a float scatter-add uses atomics, which add a token's rows in an order that
   changes from run to run (``gather_add_rows`` runs there).
   """
   rows = jnp.where(routed[:, None], y.astype(jnp.float32) * weight_of_row[:, None], 0.0)
-  return jnp.zeros((order.shape[0] // k, y.shape[1]), jnp.float32).at[order // k].add(rows)
+  return jnp.zeros((token_of_row.shape[0] // k, y.shape[1]), jnp.float32).at[token_of_row].add(rows)
 
 
-def gather_add_rows(y, order, weight_of_row, routed, *, k: int):
+def gather_add_rows(y, token_of_row, weight_of_row, routed, *, k: int):
   """``scatter_add_rows`` without atomics (the GPU's form): each token gathers its k rows and adds
   them in sorted (expert) order, the CPU's order, in one elementwise fusion. A token's output
   depends only on its own rows, the same in every run and every batch (the Pallas kernel computes
   each row alike whatever the other rows). One stable sort of the rows' tokens finds each token's
   rows in sorted order."""
-  m = order.shape[0] // k
-  rows_of_token = jnp.argsort(order // k, stable=True).reshape(m, k)  # [M, K], ascending
+  m = token_of_row.shape[0] // k
+  rows_of_token = jnp.argsort(token_of_row, stable=True).reshape(m, k)  # [M, K], ascending
   out = jnp.zeros((m, y.shape[1]), jnp.float32)
   for slot in range(k):
     row = rows_of_token[:, slot]

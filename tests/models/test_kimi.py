@@ -380,7 +380,7 @@ def test_gather_add_rows_equals_the_scatter_add_and_is_batch_invariant():
     t_rows = rows_by_slot[tokens].reshape(-1, h)[order]
     routed = np.arange(len(flat)) < np.sum(flat < e)
     call = functools.partial(fn, k=k)
-    args = (jnp.asarray(t_rows, jnp.bfloat16), jnp.asarray(order),
+    args = (jnp.asarray(t_rows, jnp.bfloat16), jnp.asarray(order // k),
             jnp.asarray(weights[tokens].reshape(-1)[order]), jnp.asarray(routed))
     if jit:
       return np.asarray(jax.jit(call)(*args))
