@@ -234,19 +234,28 @@ IMPLS = {
     # its "g" is (group_sizes, sorted expert ids), ids the model's sort has (``with_row_ids``).
     "pallas_rows": lambda x, g, w: moe.moe_experts(x, g[0], w, expected_rows=expected_rows(x, g[0]),
                                                    sorted_expert_ids=g[1]),
+    # Per-row items off (``per_row=False``) where they are the default (A <= 8): the sorted work
+    # list the call took before.
+    "pallas_sorted": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g), per_row=False),
+    "pallas_rows_sorted": lambda x, g, w: moe.moe_experts(x, g[0], w, expected_rows=expected_rows(x, g[0]),
+                                                          sorted_expert_ids=g[1], per_row=False),
     "ragged_dot": lambda x, g, w: kimi.routed_experts(x, g, *w),
     "ragged_dot_mgpu": ragged_dot_mgpu_layer,
     # The model's routed block (``BLOCK_IMPLS``): its "x" is the tokens, its "g" (ids, weights).
     "block_pallas": lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "pallas"),
     "block_ragged_dot": lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "xla"),
+    "block_pallas_sorted": lambda x, g, w: kimi.routed_block(x, g[0], g[1], w, "pallas", per_row=False),
 }
 
 
-ROW_ID_IMPLS = ("pallas_rows",)
+ROW_ID_IMPLS = ("pallas_rows", "pallas_rows_sorted")
+# Per-pair items against the sorted path, where per-pair items are the default (one token).
+PER_ROW_PAIRS = (("pallas", "pallas_sorted"), ("pallas_rows", "pallas_rows_sorted"),
+                 ("block_pallas", "block_pallas_sorted"))
 # The model's whole routed block (``models.kimi.routed_block``: sort by expert, bincount, gather the
 # rows, the experts, weight and add each token's rows back), from tokens [T, H] and the routing
 # (ids [T, 8], weights [T, 8]): all the glue a model layer pays around the experts.
-BLOCK_IMPLS = ("block_pallas", "block_ragged_dot")
+BLOCK_IMPLS = ("block_pallas", "block_ragged_dot", "block_pallas_sorted")
 
 
 def block_inputs(impl, sets, seed):
@@ -305,15 +314,22 @@ def run(args, out: Path):
     for t in args.tokens:
       for fmt, impl in (("bf16", "pallas"), ("int4", "pallas"), ("bf16", "pallas_item_minor"),
                         ("int4", "pallas_item_minor"), ("bf16", "pallas_rows"), ("int4", "pallas_rows"),
+                        ("bf16", "pallas_sorted"), ("int4", "pallas_sorted"),
+                        ("bf16", "pallas_rows_sorted"), ("int4", "pallas_rows_sorted"),
                         ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
         mgpu_here = e != args.experts[0] or not args.mgpu_tokens or t in args.mgpu_tokens
         if impl in ROW_ID_IMPLS and TOP_K * t > e:
           continue  # the ids are used only where A <= E; elsewhere it would re-time "pallas"
+        if impl in ("pallas_sorted", "pallas_rows_sorted") and TOP_K * t > moe.PER_ROW_MAX_ROWS:
+          continue  # elsewhere the same as "pallas_rows"
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
           cells.append((e, t, fmt, impl))
       # The model has no expert-parallel path yet (its block runs all E experts with the default
       # expected_rows), so the block is timed where that is the configuration: all 384 experts.
-      for fmt, impl in (("bf16", "block_pallas"), ("int4", "block_pallas"), ("bf16", "block_ragged_dot")):
+      for fmt, impl in (("bf16", "block_pallas"), ("int4", "block_pallas"), ("bf16", "block_ragged_dot"),
+                        ("bf16", "block_pallas_sorted"), ("int4", "block_pallas_sorted")):
+        if impl == "block_pallas_sorted" and TOP_K * t > moe.PER_ROW_MAX_ROWS:
+          continue  # elsewhere the same as "block_pallas"
         if impl in args.impls and fmt in args.formats and t in args.block_tokens and e == ALL_EXPERTS:
           cells.append((e, t, fmt, impl))
       for variant in ("pallas_registers", "pallas_serial"):
@@ -377,6 +393,19 @@ def run(args, out: Path):
           np.linalg.norm(got - ref) / np.linalg.norm(ref))
     except Exception as err:
       check[f"block_pallas bf16 E={e} T={t}"] = f"{type(err).__name__}: {str(err)[:200]}"
+  # Per-pair items must give exactly the sorted path's output.
+  for (e, t, fmt, impl), fn in compiled.items():
+    other = dict(PER_ROW_PAIRS).get(impl)
+    base = compiled.get((e, t, fmt, other))
+    if other is None or isinstance(fn, Exception) or base is None or isinstance(base, Exception):
+      continue
+    try:
+      args_ = [[s[i] for s in cell_inputs(data, impl, e, t)] for i in (0, 1)] + [weights[(fmt, e)]]
+      check[f"per-row {impl} {fmt} E={e} T={t} bit-identical to {other}"] = all(
+          bool(jnp.array_equal(x, y)) for a, b in zip(fn(*args_), base(*args_))
+          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    except Exception as err:
+      check[f"per-row {impl} {fmt} E={e} T={t}"] = f"{type(err).__name__}: {str(err)[:200]}"
   print(f"check: {check}", flush=True)
 
   rows_out = []
@@ -496,7 +525,8 @@ def markdown(result) -> str:
   for e in sorted({r["experts"] for r in result["rows"] if r["impl"] in BLOCK_IMPLS}, reverse=True):
     lines += [f"## The model's routed block, {e} experts", "",
               "`models.kimi.routed_block` from tokens and routing: sort by expert, gather the rows, the experts, "
-              "weight and add each token's rows back (on the GPU a gather-add, `gather_add_rows`). *experts alone*: the sorted-rows call the model makes inside "
+              "weight and add each token's rows back (on the GPU a gather-add, `gather_add_rows`); at T = 1 per-pair "
+              "items without the sort. *experts alone*: the call the model makes inside "
               "it (`pallas_rows` where 8T <= E, else `pallas`) from the table above.", "",
               "| T | distinct experts | pallas bf16 block GPU | of roofline | experts alone | pallas INT4 block GPU "
               "| of roofline | experts alone | ragged_dot bf16 block GPU | ragged_dot / pallas (bf16 blocks) |",
@@ -506,7 +536,7 @@ def markdown(result) -> str:
                                                      ("bf16", "block_ragged_dot")))
       alone = {f: next((r for r in (by.get((e, t, f, "pallas_rows")), by.get((e, t, f, "pallas")))
                         if r and "device_us" in r), None) for f in ("bf16", "int4")}
-      ref = pb or pi or rd or mg
+      ref = pb or pi or rd
       if ref is None:  # only block cells at this T
         continue
       speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
@@ -516,9 +546,11 @@ def markdown(result) -> str:
     lines.append("")
   lines += ["GPU time per call by kernel kind (us; INT4 pallas):", ""]
   for r in result["rows"]:
-    if r["format"] == "int4" and r["impl"] in ("pallas", "block_pallas") and "device_kernels_us" in r:
+    if r["format"] == "int4" and r["impl"] != "pallas_item_minor" and "device_kernels_us" in r and (
+        r["impl"].startswith(("pallas", "block_pallas"))):
       kinds = ", ".join(f"{k} {v:.1f}" for k, v in list(r["device_kernels_us"].items())[:6])
-      lines.append(f"- E={r['experts']} T={r['tokens']}{' (routed block)' if r['impl'] != 'pallas' else ''}: {kinds}")
+      label = {"pallas": "", "block_pallas": " (routed block)"}.get(r["impl"], f" ({r['impl']})")
+      lines.append(f"- E={r['experts']} T={r['tokens']}{label}: {kinds}")
   lines.append("")
   errors = [r for r in result["rows"] if "error" in r or "device_error" in r]
   if errors:
@@ -547,6 +579,19 @@ def markdown(result) -> str:
     lines.append(f"Routed block, kernel path against the ragged_dot path on the same bf16 weights{run_block}: "
                  + "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in block_checks.items())
                  + ".")
+  per_row_checks, run_per_row = newest(lambda k: k.startswith("per-row"))
+  if per_row_checks:
+    lines.append(f"Per-pair items against the sorted path, same routings{run_per_row}: "
+                 + "; ".join(f"{k[len('per-row '):]}: {v}" for k, v in per_row_checks.items()) + ".")
+  pairs = [(r, by.get((r["experts"], r["tokens"], r["format"], other))) for impl, other in PER_ROW_PAIRS
+           for r in result["rows"] if r["impl"] == impl and "device_us" in r]
+  pairs = [(r, d) for r, d in pairs if d and "device_us" in d and d.get("run", 0) == r.get("run", 0)]
+  if pairs:
+    lines.append("Per-pair items (one item per (token, slot), no sort or work list; the default at one token) "
+                 "against the sorted path, same run (GPU us, of roofline): " + ", ".join(
+                     f"{r['impl']} {r['format']} E={r['experts']} T={r['tokens']} {r['device_us']:.1f} "
+                     f"({r['device_roofline_fraction']:.0%}) vs {d['device_us']:.1f} "
+                     f"({d['device_roofline_fraction']:.0%}), {r['device_us'] / d['device_us']:.2f}x" for r, d in pairs) + ".")
   row_id_checks, run_rows = newest(lambda k: k.startswith(ROW_ID_IMPLS))
   if row_id_checks:
     lines.append(f"Work list from row ids against the default, same routings{run_rows}: "

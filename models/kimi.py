@@ -263,7 +263,14 @@ def _gpu_interpret_forced() -> bool:
   return flag is not None and flag.value is not None
 
 
-def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None):
+def _check_pallas_backend():
+  if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
+    raise RuntimeError(
+        f"moe_impl='pallas' runs the Mosaic GPU kernel and needs a GPU backend, not "
+        f"{jax.default_backend()!r}; use moe_impl='xla' here")
+
+
+def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None, per_row=None):
   """``routed_experts`` through the Mosaic GPU grouped-matmul kernel (``pallas_kernels/moe.py``).
 
   Same contract, with ``experts`` an ``int4.Int4Experts`` (read packed) or an
@@ -274,15 +281,12 @@ def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None
   (decode and small trees): the same list, 0.92x the INT4 layer's GPU time at 384 experts and
   T = 1 and 9 on the H200 (``benchmarks/results/bench_moe_rows.md``).
   """
-  if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
-    raise RuntimeError(
-        f"moe_impl='pallas' runs the Mosaic GPU kernel and needs a GPU backend, not "
-        f"{jax.default_backend()!r}; use moe_impl='xla' here")
+  _check_pallas_backend()
   from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
 
   if not isinstance(experts, int4.Int4Experts):
     experts = int4.Bf16Experts(*(w.astype(x_sorted.dtype) for w in experts))
-  return moe.moe_experts(x_sorted, group_sizes, experts, sorted_expert_ids=sorted_expert_ids)
+  return moe.moe_experts(x_sorted, group_sizes, experts, sorted_expert_ids=sorted_expert_ids, per_row=per_row)
 
 
 def route(router_logits, bias, valid, cfg: KimiConfig):
@@ -353,7 +357,7 @@ class MoE(nnx.Module):
     return out.astype(x.dtype).reshape(b, q, h), group_sizes
 
 
-def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
+def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla", per_row: bool | None = None):
   """The routed half of an MoE layer: sort the (token, expert) rows by expert, run the experts,
   weight the rows and add them back to their tokens.
 
@@ -363,6 +367,9 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
     experts: ``int4.Bf16Experts`` [E, in, out] or ``int4.Int4Experts``; E is their first axis.
     moe_impl: "xla" (``routed_experts``, ragged_dot; INT4 dequantised per call) or "pallas"
       (``routed_experts_pallas``).
+    per_row: "pallas" only: one work item per (token, slot), without the sort
+      (``_routed_block_per_row``; the same result bit for bit); None (default): where M x K <=
+      ``moe.PER_ROW_MAX_ROWS`` (one K2.6 token).
   Returns:
     (float32 [M, H], group_sizes int32[E]: rows routed to each expert).
   """
@@ -370,12 +377,18 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
     raise ValueError(f"moe_impl={moe_impl!r}: expected 'xla' or 'pallas'")
   m, k = expert_ids.shape
   e = jax.tree.leaves(experts.gate)[0].shape[0]
+  if moe_impl == "pallas":
+    from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
+
+    if per_row or (per_row is None and m * k <= moe.PER_ROW_MAX_ROWS):
+      return _routed_block_per_row(tokens, expert_ids, weights, experts)
   flat_ids = expert_ids.reshape(-1)  # [M * K]; rows routed nowhere carry E and sort last
   order = jnp.argsort(flat_ids, stable=True)
   token_of_row = order // k
   group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
   if moe_impl == "pallas":
-    y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts, sorted_expert_ids=flat_ids[order])
+    y = routed_experts_pallas(tokens[token_of_row], group_sizes, experts, sorted_expert_ids=flat_ids[order],
+                              per_row=per_row)
   else:
     if isinstance(experts, int4.Int4Experts):
       # The format's weights, bf16(q * scale), as the kernel forms them; dequantised per call
@@ -390,6 +403,38 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla"):
   out = jax.lax.platform_dependent(y, token_of_row, weight_of_row, routed, cpu=functools.partial(scatter_add_rows, k=k),
                                    default=functools.partial(gather_add_rows, k=k))
   return out, group_sizes
+
+
+def _routed_block_per_row(tokens, expert_ids, weights, experts):
+  """``routed_block`` for one token (``moe.PER_ROW_MAX_ROWS`` pairs; "pallas"): each (token, slot)
+  pair is its own work item (``moe_experts_per_row``), so there is no sort. Each token's rows are
+  added in expert order, as the sorted path adds them, so the result is the same bit for bit;
+  the order comes from comparing the token's K ids (elementwise, fused), not from a sort."""
+  m, k = expert_ids.shape
+  e = jax.tree.leaves(experts.gate)[0].shape[0]
+  from pallas_kernels import moe
+
+  _check_pallas_backend()
+  if not isinstance(experts, int4.Int4Experts):
+    experts = int4.Bf16Experts(*(w.astype(tokens.dtype) for w in experts))
+  y = moe.moe_experts_per_row(tokens, expert_ids, experts)  # [M, K, H]
+  ids = jnp.minimum(expert_ids, e)  # routed nowhere: E, as the sorted path's padding
+  # Slot j's place among its token's slots in (id, slot) order: a stable argsort of K ids.
+  slot = jnp.arange(k)
+  before = (ids[:, None, :] < ids[:, :, None]) | ((ids[:, None, :] == ids[:, :, None]) & (slot[None, :] < slot[:, None]))
+  rank = jnp.sum(before, axis=2)  # [M, K]
+  slot_of_rank = jnp.sum(jnp.where(rank[:, :, None] == slot[None, None, :], slot[None, :, None], 0), axis=1)
+  rows_of_token = jnp.arange(m)[:, None] * k + slot_of_rank  # [M, K] flat pairs, expert order
+
+  def scatter(y, rows_of_token, weight, routed):  # the CPU's combine, on rows in that order
+    rows = rows_of_token.reshape(-1)
+    return scatter_add_rows(y[rows], rows // k, weight[rows], routed[rows], k=k)
+
+  out = jax.lax.platform_dependent(y.reshape(m * k, -1), rows_of_token, weights.reshape(-1),
+                                   (ids < e).reshape(-1), cpu=scatter, default=_add_rows_in_order)
+  # The expert loads as one small reduction (a bincount is a scatter and its initialisation).
+  loads = jnp.sum(ids.reshape(-1)[None, :] == jnp.arange(e)[:, None], axis=1, dtype=jnp.int32)
+  return out, loads
 
 
 def scatter_add_rows(y, token_of_row, weight_of_row, routed, *, k: int):
@@ -412,6 +457,12 @@ def gather_add_rows(y, token_of_row, weight_of_row, routed, *, k: int):
   rows in sorted order."""
   m = token_of_row.shape[0] // k
   rows_of_token = jnp.argsort(token_of_row, stable=True).reshape(m, k)  # [M, K], ascending
+  return _add_rows_in_order(y, rows_of_token, weight_of_row, routed)
+
+
+def _add_rows_in_order(y, rows_of_token, weight_of_row, routed):
+  """float32 [M, H]: token m's weighted rows y[rows_of_token[m, 0]], [m, 1], ... added in that order."""
+  m, k = rows_of_token.shape
   out = jnp.zeros((m, y.shape[1]), jnp.float32)
   for slot in range(k):
     row = rows_of_token[:, slot]

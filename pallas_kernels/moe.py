@@ -9,6 +9,8 @@ Why a kernel: ``jax.lax.ragged_dot`` and jax's ``ragged_dot_mgpu`` read every ex
 whatever the routing; a decode or verify step touches few experts, so weight traffic should follow
 the experts touched. Here work follows them:
 
+* **Per-pair items** (``moe_experts_per_row``; ``moe_experts`` at A <= ``PER_ROW_MAX_ROWS``): one
+  token's rows (top-8: distinct experts) are each their own item, with no work list at all (below).
 * **Work list** (plain jnp, on device; ``work_list``): each non-empty expert's rows are covered by
   windows of ``block_rows`` (R) rows of x_sorted, starting at its first row rounded down to 8 (the
   bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
@@ -47,14 +49,15 @@ packed layout pads K to a multiple of 256 with zero weights).
 
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
-bf16 runs at 85-96% of the touched experts' read roofline for T = 1..136 with 384 experts and
-82-93% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts (54%
-at T = 1) and 49-68% for T = 9..136 with 48. Where few experts are touched the INT4 kernels are
+bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
+82-93% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts (63%
+at T = 1 with per-pair items, 54% with the sorted work list) and 49-68% for T = 9..136 with 48. Where few experts are touched the INT4 kernels are
 latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
 programs and two warps per scheduler) ncu reads DRAM at 61% of its peak and the schedulers issuing
 in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and
 tile-major weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%,
-+24% and -3%. The plain-jnp work list, pad and take cost ~15 us a call there. Wall time per call is
++24% and -3%. The plain-jnp work list, pad and take cost ~15 us a call there with the sorted
+work list; per-pair items (``PER_ROW_MAX_ROWS``, the default there) leave 0.3-2.8 us. Wall time per call is
 higher at small T: XLA's host-side work per node of the step's CUDA graph
 (``benchmarks/moe_timeline.py``). Splitting K over more programs did not pay, neither chosen per
 call (``tune_moe.md``) nor static with float32 partials summed by XLA (2 splits, same run: 384
@@ -227,6 +230,30 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   items = _items(ids, first, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window)
   column = _row_column(rows, base, slot_start, r, last_window)
   return WorkList(*items, row_column=jnp.where(routed, column, 0), routed=routed)
+
+
+# ---------------------------------------------------------------------------------------------
+# One item per (token, slot): decoding a single token
+# ---------------------------------------------------------------------------------------------
+# A token's top-k experts are distinct, so where the rows are one token's k slots, giving each
+# (token, slot) pair its own work item reads every touched expert once with no sort, no work list
+# and no copy of the rows: the items' experts are the routing ids themselves (an id outside
+# [0, E) makes its programs exit, like -1), each item loads the R-row block of the tokens that
+# holds its token (rows past the tokens are zero-filled by the bulk copy engine, so the tokens
+# need no padding) and its result sits at a static row of the work layout. With more pairs,
+# pairs that share an expert would each read it, so the sorted work list takes over. 8 pairs:
+# one K2.6 token (top-8). Whatever the ids, per-pair items never read more than 8 experts' tiles.
+PER_ROW_MAX_ROWS = 8
+
+
+def per_row_layout(num_tokens: int, top_k: int, block_rows: int):
+  """Static layout of ``num_tokens x top_k`` per-pair items (item w = token w // top_k, slot
+  w % top_k): (block_start int32[W], the first token row of the R-row block item w loads;
+  position int32[W], the work-layout row of item w's result)."""
+  token = np.arange(num_tokens * top_k, dtype=np.int32) // top_k
+  block_start = token - token % ROW_ALIGN
+  position = np.arange(num_tokens * top_k, dtype=np.int32) * block_rows + token - block_start
+  return block_start, position
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,9 +435,10 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
-    x: bf16 [rows, K]; work_expert: int32[W] (-1: skip the item).
-    block_start: int32[W], item w's rows are x[block_start[w] : block_start[w] + R] (rows >= R);
-      or None: x is in the work layout [W * R, K], item w's rows at w * R.
+    x: bf16 [rows, K]; work_expert: int32[W] (outside [0, E), e.g. -1: skip the item).
+    block_start: int32[W], item w's rows are x[block_start[w] : block_start[w] + R] (rows of
+      that block past x's are zero-filled on load); or None: x is in the work layout [W * R, K],
+      item w's rows at w * R.
     weights: tuple of bf16 [E, K, N] (one or two of them), or of ``KernelInt4Matrix`` [E, N, K].
     fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
   Returns:
@@ -420,9 +448,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   r, bk = block_rows, cfg.block_k
   w_items = work_expert.shape[0]
   direct = block_start is not None
-  if direct and x.shape[0] < r:
-    raise ValueError(f"x has {x.shape[0]} rows, fewer than one {r}-row block")
   num_w = len(weights)
+  num_experts = (weights[0].words if isinstance(weights[0], KernelInt4Matrix) else weights[0]).shape[0]
   is_int4 = isinstance(weights[0], KernelInt4Matrix)
   if is_int4:
     _, n_out, _ = weights[0].words.shape
@@ -456,13 +483,14 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     n = lax.axis_index("n")
     w = lax.axis_index("w")
     expert = expert_ref[w]
+    live = (expert >= 0) & (expert < num_experts)
 
     if count_tile_loads:
-      @pl.when(expert < 0)
+      @pl.when(~live)
       def _():
         count_ref[n, w] = jnp.int32(0)
 
-    @pl.when(expert >= 0)
+    @pl.when(live)
     def _():
       def acc_scope(*accs):
         def step(idx, *args):
@@ -542,10 +570,9 @@ def _check_inputs(x_sorted, group_sizes, experts):
   if x_sorted.dtype != jnp.bfloat16:
     raise TypeError(f"the Mosaic GPU MoE kernel takes bfloat16 activations, got {x_sorted.dtype} "
                     "(run the model in bf16 or use moe_impl='xla')")
-  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+  if group_sizes is not None and (group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
     raise ValueError(f"group_sizes must be an integer vector [E], got {group_sizes.dtype}{list(group_sizes.shape)}")
   a, h = x_sorted.shape
-  e = group_sizes.shape[0]
   if isinstance(experts, Int4Experts) and isinstance(experts.gate, KernelInt4Matrix):
     mats = (experts.gate, experts.up, experts.down)
     for name, m in zip(("gate", "up", "down"), mats):
@@ -569,6 +596,7 @@ def _check_inputs(x_sorted, group_sizes, experts):
         raise TypeError(f"bf16 expert weight {name} must be bfloat16 [E, in, out], got {t.dtype}{list(t.shape)}")
     shapes = [tuple(t.shape) for t in experts]
   (eg, hg, ig), (eu, hu, iu), (ed, id_, hd) = shapes
+  e = eg if group_sizes is None else group_sizes.shape[0]
   if not (eg == eu == ed == e) or not (hg == hu == hd == h) or not (ig == iu == id_):
     raise ValueError(f"expert shapes gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} (as E, in, out) do "
                      f"not match x_sorted [A={a}, H={h}] and group_sizes [E={e}]")
@@ -616,16 +644,46 @@ def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expec
   return r, dequant
 
 
+def _row_experts(group_sizes, num_rows: int):
+  """int32[A]: each sorted row's expert from the counts (E past their sum): the experts whose
+  rows end at or before the row, by masked sums (one small fusion each; no cumsum kernel)."""
+  e = group_sizes.shape[0]
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  experts = jnp.arange(e, dtype=jnp.int32)
+  row_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], sizes[None, :], 0), axis=1)  # [E]
+  rows = jnp.arange(num_rows, dtype=jnp.int32)
+  return jnp.sum(row_end[None, :] <= rows[:, None], axis=1, dtype=jnp.int32)
+
+
+def _check_row_ids(sorted_expert_ids, num_rows: int):
+  if (sorted_expert_ids.shape != (num_rows,)
+      or not jnp.issubdtype(sorted_expert_ids.dtype, jnp.integer)):
+    raise ValueError(f"sorted_expert_ids must be an integer vector [A={num_rows}] (each sorted row's "
+                     f"expert), got {sorted_expert_ids.dtype}{list(sorted_expert_ids.shape)}")
+
+
+def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret, count_tile_loads):
+  """Per-pair items (``PER_ROW_MAX_ROWS``): bf16 tokens [M, H], int expert_ids [M, K] ->
+  bf16 [M, K, H], zero where the id is outside [0, E)."""
+  m, k = expert_ids.shape
+  e = (experts.gate.words if isinstance(experts.gate, KernelInt4Matrix) else experts.gate).shape[0]
+  block_start, position = per_row_layout(m, k, block_rows)
+  ids = expert_ids.reshape(-1).astype(jnp.int32)
+  outs = _expert_projections(tokens, ids, jnp.asarray(block_start), experts, block_rows, dequant, tiles, interpret,
+                             count_tile_loads)
+  out = outs[0] if count_tile_loads else outs
+  live = ((ids >= 0) & (ids < e))[:, None]
+  y = jnp.where(live, out[position], jnp.zeros((), out.dtype)).reshape(m, k, -1)
+  return (y, *outs[1:]) if count_tile_loads else y
+
+
 def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> WorkList:
   """The work list from the row ids where given and there are no more rows than experts (the
   [A, A] form is then the smaller), else from group_sizes; both give the same list."""
   e = group_sizes.shape[0]
   if sorted_expert_ids is None:
     return work_list(group_sizes, num_rows, block_rows)
-  if (sorted_expert_ids.shape != (num_rows,)
-      or not jnp.issubdtype(sorted_expert_ids.dtype, jnp.integer)):
-    raise ValueError(f"sorted_expert_ids must be an integer vector [A={num_rows}] (each sorted row's "
-                     f"expert), got {sorted_expert_ids.dtype}{list(sorted_expert_ids.shape)}")
+  _check_row_ids(sorted_expert_ids, num_rows)
   # Where A <= E the ids alone decide the list (group_sizes gives only E); the caller keeps them
   # consistent with group_sizes.
   if num_rows <= e:
@@ -634,13 +692,27 @@ def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> Wor
 
 
 def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                 count_tile_loads, sorted_expert_ids=None):
+                 count_tile_loads, sorted_expert_ids=None, per_row=None):
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
+  if per_row is not None and not isinstance(per_row, bool):
+    raise ValueError(f"per_row={per_row!r}: expected None (auto), True or False")
+  if per_row is None:
+    per_row = a <= PER_ROW_MAX_ROWS
+  if per_row:
+    if sorted_expert_ids is None:
+      sorted_expert_ids = _row_experts(group_sizes, a)
+    _check_row_ids(sorted_expert_ids, a)
+    outs = _per_row(x_sorted, sorted_expert_ids.reshape(a, 1), experts, r, dequant, tiles, interpret,
+                    count_tile_loads)
+    if count_tile_loads:
+      return (outs[0][:, 0], *outs[1:])
+    return outs[:, 0]
   work = _work(group_sizes, sorted_expert_ids, a, r)
   if padded_rows(a, r) > a:  # the kernel loads R-row blocks at 8-aligned starts
     x_sorted = jnp.pad(x_sorted, ((0, padded_rows(a, r) - a), (0, 0)))
-  outs = _expert_projections(x_sorted, work, experts, r, dequant, tiles, interpret, count_tile_loads)
+  outs = _expert_projections(x_sorted, work.expert, work.block_start, experts, r, dequant, tiles, interpret,
+                             count_tile_loads)
   out = outs[0] if count_tile_loads else outs
   # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero.
   y = jnp.take(out, jnp.clip(work.row_column, 0, out.shape[0] - 1), axis=0)
@@ -651,10 +723,11 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
 STATIC_OPTIONS = ("block_rows", "int4_dequant", "expected_rows", "tiles", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("per_row",))
 def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                 int4_dequant: str | None = None, expected_rows: int | None = None,
-                tiles: KernelTiles | None = None, interpret=None, sorted_expert_ids=None):
+                tiles: KernelTiles | None = None, interpret=None, sorted_expert_ids=None,
+                per_row: bool | None = None):
   """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
 
   Args:
@@ -682,23 +755,65 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       list, so the same result; ids out of order give zeros); elsewhere they are not used. The
       model passes them; on the H200 the INT4 layer takes 0.92x the GPU time of the group_sizes
       form at 384 experts and T = 1 and 9 (``benchmarks/results/bench_moe_rows.md``).
+    per_row: each row its own work item (``moe_experts_per_row``: no work list, no padded copy
+      of the rows), its expert from ``sorted_expert_ids`` or else from ``group_sizes``; None
+      (default): where A <= ``PER_ROW_MAX_ROWS``. The same rows bit for bit either way.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      False, sorted_expert_ids)
+                      False, sorted_expert_ids, per_row)
 
 
-def _expert_projections(x_sorted, work: WorkList, experts, block_rows, dequant, tiles, interpret,
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
+def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None = None,
+                        int4_dequant: str | None = None, expected_rows: int | None = None,
+                        tiles: KernelTiles | None = None, interpret=None):
+  """Each token through each of its experts, one work item per (token, slot): no sort, no work list.
+
+  For a single token's top-k (``PER_ROW_MAX_ROWS``; the model's MoE at one token a step): its
+  experts are distinct, so each is read once, and the step skips ``moe_experts``' sort, work
+  list and padded copy of the rows. Pairs that share an expert read it once each (correct, not
+  economical: use ``moe_experts`` for more tokens).
+
+  Args:
+    tokens: bf16 [M, H].
+    expert_ids: int [M, K]; an id outside [0, E) (E: routed nowhere, e.g. an expert held by
+      another device) gives a zero row and reads nothing.
+    experts, block_rows, int4_dequant, expected_rows, tiles, interpret: as ``moe_experts``
+      (``expected_rows`` defaults to M x K).
+  Returns:
+    bf16 [M, K, H]: row [m, j] = down(silu(x @ gate) * (x @ up)) of tokens[m] through expert
+    expert_ids[m, j]; each the same, bit for bit, as ``moe_experts`` gives that row.
+  """
+  return _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
+                              interpret, False)
+
+
+def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
+                         interpret, count_tile_loads):
+  if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise ValueError(f"expert_ids must be an integer array [M, K], got {expert_ids.dtype}{list(expert_ids.shape)}")
+  if tokens.ndim != 2 or tokens.shape[0] != expert_ids.shape[0]:
+    raise ValueError(f"tokens must be [M={expert_ids.shape[0]}, H] (one row per row of expert_ids), "
+                     f"got shape {tokens.shape}")
+  _, _, inter, e = _check_inputs(tokens, None, experts)
+  pairs = expert_ids.size
+  r, dequant = _resolve_options(pairs, e, inter, block_rows, int4_dequant, expected_rows, interpret)
+  return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads)
+
+
+def _expert_projections(x, work_expert, block_start, experts, block_rows, dequant, tiles, interpret,
                         count_tile_loads=False):
-  """gate/up then down: bf16 x_sorted [>= R, H] -> bf16 [W * R, H] in the work layout."""
+  """gate/up then down: bf16 x [rows, H] -> bf16 [W * R, H] in the work layout (item w: expert
+  work_expert[w], rows x[block_start[w] : block_start[w] + R])."""
   tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
                 count_tile_loads=count_tile_loads, grid_order=tiles.grid_order)
-  h = _grouped_kernel(x_sorted, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
+  h = _grouped_kernel(x, work_expert, block_start, (experts.gate, experts.up), fuse_silu=True,
                       cfg=tiles.gate_up, **common)
   h, h_loads = h if count_tile_loads else (h, None)
-  out = _grouped_kernel(h, work.expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
+  out = _grouped_kernel(h, work_expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
   if count_tile_loads:
     out, out_loads = out
     return out, h_loads, out_loads

@@ -107,3 +107,20 @@ def test_checks_come_from_the_newest_run_that_made_them(bench):
   assert "same bf16 weights: block_pallas bf16 E=384 T=1 rel L2 vs block_ragged_dot 5.1e-03." in text
   assert "9.9e-03" not in text and "7.7e-03" not in text
   assert "same routings (run 1): pallas_rows int4 E=384 T=1 bit-identical to pallas: True." in text
+
+
+def test_per_row_pairs_are_compared_within_one_run(bench):
+  """The per-pair cells are set against the sorted path's cells of the same run only, with the
+  ratio, and the bit-identity checks are listed."""
+  rows = [row(384, 1, "int4", "block_pallas", 70.0, roofline_us=43.0),
+          row(384, 1, "int4", "block_pallas_sorted", 80.0, roofline_us=43.0),
+          row(384, 1, "int4", "pallas_rows", 68.0, roofline_us=43.0),
+          row(384, 1, "int4", "pallas_rows_sorted", 73.0, roofline_us=43.0, run=1)]
+  res = result(rows, ["--new"])
+  res["earlier_runs"] = [dict(argv=["--old"], ceilings=res["ceilings"], check={})]
+  res["check"] = {"per-row block_pallas int4 E=384 T=1 bit-identical to block_pallas_sorted": True}
+  text = bench.markdown(res)
+  line = next(x for x in text.splitlines() if x.startswith("Per-pair items (one item"))
+  assert "block_pallas int4 E=384 T=1 70.0 (61%) vs 80.0 (54%), 0.88x" in line
+  assert "pallas_rows int4" not in line  # its sorted cell is from another run
+  assert "block_pallas int4 E=384 T=1 bit-identical to block_pallas_sorted: True" in text

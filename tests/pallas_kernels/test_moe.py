@@ -281,6 +281,130 @@ def test_sorted_expert_ids_give_the_same_result_and_are_checked():
                       interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 4), (3, 2), (10, 1)])
+def test_per_row_items_equal_the_sorted_rows_bit_for_bit(fmt, num_tokens, top_k):
+  """``moe_experts_per_row`` (one item per (token, slot), the tokens unsorted and unpadded) gives
+  each pair exactly the row ``moe_experts`` gives it from expert-sorted rows (same tiles, K in the
+  same order; each output row depends only on its own input), and the reference's values. (3, 2)
+  has pairs sharing an expert (6 pairs over 4 experts); (10, 1) has tokens past the first 8-row
+  block (item 9 loads rows 8..23 of a 10-row array: the rest zero-filled); ids of E (routed
+  nowhere) and -1 give zero rows."""
+  rng = np.random.default_rng(30 + num_tokens)
+  experts = as_format(random_weights(30 + num_tokens), fmt)
+  ids = np.stack([rng.choice(4, top_k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+  ids[0, -1] = E
+  ids[-1, 0] = -1
+  tokens = jnp.asarray(rng.standard_normal((num_tokens, H)), jnp.bfloat16)
+  got = np.asarray(moe.moe_experts_per_row(tokens, jnp.asarray(ids), experts, interpret=INTERPRET), np.float32)
+  assert got.shape == (num_tokens, top_k, H)
+  flat = ids.reshape(-1)
+  live = (flat >= 0) & (flat < E)
+  order = np.argsort(np.where(live, flat, E), kind="stable")
+  sizes = np.bincount(flat[live], minlength=E).astype(np.int32)
+  x_sorted = jnp.asarray(tokens)[order // top_k]
+  by_sorted = np.asarray(moe.moe_experts(x_sorted, jnp.asarray(sizes), experts, interpret=INTERPRET,
+                                         expected_rows=flat.size), np.float32)
+  got_sorted = got.reshape(-1, H)[order]
+  np.testing.assert_array_equal(got_sorted, by_sorted)
+  assert not got.reshape(-1, H)[~live].any()
+  assert_close(got_sorted, reference(x_sorted, sizes, experts), int(live.sum()))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_per_row_reads_only_live_pairs_experts(fmt):
+  """Per-pair items: every program of a live pair runs all its k-steps, a pair routed nowhere
+  loads nothing, and the untouched experts' weights are NaN yet the output is finite and right."""
+  rng = np.random.default_rng(12)
+  ids = np.array([[1, E, 4]], np.int32)
+  tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
+  clean = as_format(random_weights(12), fmt)
+  keep = jnp.asarray(np.isin(np.arange(E), (1, 4)))[:, None, None]
+  if fmt == "bf16":
+    poisoned = moe.Bf16Experts(*(jnp.where(keep, w, jnp.nan).astype(jnp.bfloat16) for w in clean))
+  else:
+    poisoned = moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
+                                 for m in (clean.gate, clean.up, clean.down)))
+  y, gate_up_steps, down_steps = moe._moe_experts_per_row(tokens, jnp.asarray(ids), poisoned, None, None, None, None,
+                                                          INTERPRET, True)
+  y = np.asarray(y, np.float32)
+  assert np.isfinite(y).all() and not y[0, 1].any()
+  want = moe.moe_experts_per_row(tokens, jnp.asarray(ids), clean, interpret=INTERPRET)
+  np.testing.assert_array_equal(y, np.asarray(want, np.float32))
+  tiles = moe.default_tiles(clean)
+  for steps, n_out, k_steps in ((gate_up_steps, I, -(-H // tiles.gate_up.block_k)),
+                                (down_steps, H, -(-I // tiles.down.block_k))):
+    steps = np.asarray(steps)
+    assert steps.shape == (-(-n_out // moe.TILE_N), 3)
+    assert (steps[:, [0, 2]] == k_steps).all() and (steps[:, 1] == 0).all()
+
+
+def test_moe_experts_takes_per_row_items_for_few_rows():
+  """At A <= PER_ROW_MAX_ROWS ``moe_experts`` runs per-row items (no work list is built), each row's
+  expert from the ids or else from group_sizes, and gives exactly the sorted work list's rows
+  (``per_row=False``); the ids are still checked."""
+  rng = np.random.default_rng(22)
+  order, sizes = routing(rng, 3, 2, E, (0, 2, 3, 5), num_padded=1)
+  assert len(order) <= moe.PER_ROW_MAX_ROWS
+  ids = np.concatenate([np.repeat(np.arange(E), sizes), np.full(len(order) - int(sizes.sum()), E)]).astype(np.int32)
+  x = sorted_rows(rng, order, sizes, H)
+  experts = random_weights(22)
+
+  def no_list(*args, **kwargs):
+    raise AssertionError("a work list was built for per-row items")
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(moe, "work_list", no_list)
+    patch.setattr(moe, "work_list_from_rows", no_list)
+    by_rows = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET,
+                               False, jnp.asarray(ids))
+  with pytest.raises(ValueError, match="sorted_expert_ids"):
+    moe.moe_experts(x, jnp.asarray(sizes), experts, sorted_expert_ids=jnp.asarray(ids[:-1]), interpret=INTERPRET)
+  with pytest.raises(ValueError, match="per_row=1"):
+    moe.moe_experts(x, jnp.asarray(sizes), experts, per_row=1, interpret=INTERPRET)
+  # Forced off, the sorted work list runs (and gives the same rows), with or without the ids.
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(moe, "_per_row", no_list)
+    for row_ids in (jnp.asarray(ids), None):
+      off = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET, False,
+                             row_ids, False)
+      np.testing.assert_array_equal(np.asarray(off, np.float32), np.asarray(by_rows, np.float32))
+  # By default (without the ids, each row's expert then comes from group_sizes) per-row items run.
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(moe, "work_list", no_list)
+    patch.setattr(moe, "work_list_from_rows", no_list)
+    by_sizes = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET, False)
+  np.testing.assert_array_equal(np.asarray(by_sizes, np.float32), np.asarray(by_rows, np.float32))
+  assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
+
+
+@pytest.mark.parametrize("sizes", [[0, 3, 0, 2, 0, 1], [9, 0, 0, 0, 0, 0], [2, -1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+def test_row_experts_from_group_sizes(sizes):
+  """Each sorted row's expert from the counts: a loop's answer; E past their sum, cut at A = 6."""
+  want = np.full(6, E)
+  row = 0
+  for ex, n in enumerate(sizes):
+    for _ in range(max(n, 0)):
+      if row < 6:
+        want[row] = ex
+      row += 1
+  np.testing.assert_array_equal(np.asarray(moe._row_experts(jnp.asarray(sizes, jnp.int32), 6)), want)
+
+
+def test_per_row_bad_inputs_raise_clear_errors():
+  experts = random_weights(1)
+  tokens = jnp.zeros((2, H), jnp.bfloat16)
+  with pytest.raises(ValueError, match="expert_ids must be an integer array"):
+    moe.moe_experts_per_row(tokens, jnp.zeros((2, 3), jnp.float32), experts, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="tokens must be"):
+    moe.moe_experts_per_row(tokens, jnp.zeros((3, 2), jnp.int32), experts, interpret=INTERPRET)
+  with pytest.raises(TypeError, match="bfloat16 activations"):
+    moe.moe_experts_per_row(tokens.astype(jnp.float32), jnp.zeros((2, 2), jnp.int32), experts, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="do not match"):
+    moe.moe_experts_per_row(jnp.zeros((2, 200), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32), experts,
+                            interpret=INTERPRET)
+
+
 def test_default_int4_form_follows_the_expected_programs_per_sm():
   # 132 SMs off the GPU; gate/up has ceil(2048 / 64) = 32 output tiles per touched expert.
   assert moe.default_int4_dequant(384, 8, 2048) == "registers"  # T = 1: ~8 experts, 253 programs
@@ -514,6 +638,60 @@ def test_model_pallas_branch_matches_xla_in_interpret_mode(experts_int4, batch, 
   assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_routed_block_of_one_token_takes_per_row_items_and_equals_the_sorted_path(fmt):
+  """One token's top-8 (K2.6's decode step): ``routed_block`` runs per-pair items with no sort and
+  adds the rows in expert order, so it equals the sorted path (``per_row=False``) bit for bit,
+  expert loads included; on both platforms' combines."""
+  rng = np.random.default_rng(40)
+  num_experts, k = 12, 8
+  experts = as_format(random_weights(40, num_experts=num_experts), fmt)
+  ids = rng.permutation(num_experts)[:k][None].astype(np.int32)
+  ids[0, 5] = num_experts  # an expert held elsewhere
+  tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
+  weights = jnp.asarray(rng.random((1, k)), jnp.float32)
+  block = lambda per_row: jax.jit(lambda t, i, w: kimi.routed_block(t, i, w, experts, "pallas", per_row))(
+      tokens, jnp.asarray(ids), weights)
+
+  def no_sort(*args, **kwargs):
+    raise AssertionError("the one-token block sorted its rows")
+
+  with plgpu.force_gpu_interpret_mode(INTERPRET):
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(jnp, "argsort", no_sort)
+      per_row, per_row_load = block(None)
+    sorted_path, sorted_load = block(False)
+  np.testing.assert_array_equal(np.asarray(per_row), np.asarray(sorted_path))
+  np.testing.assert_array_equal(np.asarray(per_row_load), np.asarray(sorted_load))
+  assert np.abs(np.asarray(per_row)).max() > 0
+  # The GPU's combine (gather-add in the given order) against the CPU's (scatter-add), eagerly.
+  y = jnp.asarray(rng.standard_normal((k, H)), jnp.bfloat16)
+  w, routed = jnp.asarray(rng.random(k), jnp.float32), jnp.asarray(ids[0] < num_experts)
+  rows = jnp.asarray(np.argsort(ids[0], kind="stable"))[None]
+  with jax.disable_jit():
+    gathered = kimi._add_rows_in_order(y, rows, w, routed)
+    scattered = kimi.scatter_add_rows(y[rows[0]], rows[0] // k, w[rows[0]], routed[rows[0]], k=k)
+  np.testing.assert_array_equal(np.asarray(gathered), np.asarray(scattered))
+
+
+def test_one_token_block_lowers_for_the_gpu_without_a_sort(monkeypatch):
+  """Lowered for cuda (no GPU needed): the one-token block's program holds the Mosaic GPU kernels
+  and neither a sort nor a float scatter-add; two tokens (16 pairs) take the sorted path."""
+  monkeypatch.setattr(kimi, "_check_pallas_backend", lambda: None)
+  num_experts, k = 16, 8
+  experts = moe.Bf16Experts(*(jnp.zeros(s, jnp.bfloat16) for s in ((num_experts, H, I), (num_experts, H, I),
+                                                                    (num_experts, I, H))))
+
+  def lowered(m):
+    block = jax.jit(lambda x, ids, w: kimi.routed_block(x, ids, w, experts, "pallas"))
+    args = (jnp.zeros((m, H), jnp.bfloat16), jnp.zeros((m, k), jnp.int32), jnp.zeros((m, k)))
+    return block.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+  one, two = lowered(1), lowered(2)
+  assert "mosaic_gpu" in one and "stablehlo.sort" not in one and "stablehlo.scatter" not in one
+  assert "stablehlo.sort" in two
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the real kernels (run on the device machine: pytest -m gpu tests/pallas_kernels/test_moe.py)
 # ---------------------------------------------------------------------------------------------
@@ -588,8 +766,10 @@ def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, grid_order):
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_gpu_routed_block_is_batch_invariant_and_deterministic(gpu, fmt):
   """The model's routed block on the real kernel: a token's output is bit for bit the same alone,
-  in a batch of 9 in either order, and in a repeated run (K2.6's H and I, 48 experts, top-8). The
-  kernel computes each row alike whatever the other rows, and the combine adds each token's own
+  in a batch of 9 in either order, and in a repeated run (K2.6's H and I, 48 experts, top-8).
+  Alone, a token takes per-pair items without a sort (``_routed_block_per_row``); in the batch,
+  the sorted work list. The kernel computes each row alike whatever the other rows, and the
+  combine adds each token's own
   rows in a fixed order (a float scatter-add adds them with atomics, in an order that may change
   between runs; whether it does in this test's runs is up to the GPU's scheduling)."""
   rng = np.random.default_rng(31)
