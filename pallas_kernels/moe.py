@@ -50,15 +50,15 @@ packed layout pads K to a multiple of 256 with zero weights).
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
 bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
-82-93% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts (63%
-at T = 1 with per-pair items, 54% with the sorted work list) and 49-68% for T = 9..136 with 48. Where few experts are touched the INT4 kernels are
-latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
+82-93% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
+(63% at T = 1 with per-pair items, 54% with the sorted work list) and 49-68% for T = 9..136 with
+48. Where few experts are touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
 programs and two warps per scheduler) ncu reads DRAM at 61% of its peak and the schedulers issuing
 in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and
 tile-major weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%,
 +24% and -3%. The plain-jnp work list, pad and take cost ~15 us a call there with the sorted
-work list; per-pair items (``PER_ROW_MAX_ROWS``, the default there) leave 0.3-2.8 us. Wall time per call is
-higher at small T: XLA's host-side work per node of the step's CUDA graph
+work list; per-pair items (``PER_ROW_MAX_ROWS``, the default there) leave 0.3-2.8 us. Wall time
+per call is higher at small T: XLA's host-side work per node of the step's CUDA graph
 (``benchmarks/moe_timeline.py``). Splitting K over more programs did not pay, neither chosen per
 call (``tune_moe.md``) nor static with float32 partials summed by XLA (2 splits, same run: 384
 experts T = 1 INT4 94-98 against 82 us, 48 experts T = 9 126-133 against 96 us; more programs per
@@ -242,7 +242,8 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
 # holds its token (rows past the tokens are zero-filled by the bulk copy engine, so the tokens
 # need no padding) and its result sits at a static row of the work layout. With more pairs,
 # pairs that share an expert would each read it, so the sorted work list takes over. 8 pairs:
-# one K2.6 token (top-8). Whatever the ids, per-pair items never read more than 8 experts' tiles.
+# one K2.6 token (top-8). Whatever the ids, items chosen by this rule never read more than 8
+# experts' tiles.
 PER_ROW_MAX_ROWS = 8
 
 
@@ -449,8 +450,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   w_items = work_expert.shape[0]
   direct = block_start is not None
   num_w = len(weights)
-  num_experts = (weights[0].words if isinstance(weights[0], KernelInt4Matrix) else weights[0]).shape[0]
   is_int4 = isinstance(weights[0], KernelInt4Matrix)
+  num_experts = (weights[0].words if is_int4 else weights[0]).shape[0]
   if is_int4:
     _, n_out, _ = weights[0].words.shape
     k_in = weights[0].in_features
@@ -752,7 +753,8 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     sorted_expert_ids: optional int[A], each sorted row's expert in ascending order (E or more
       for padding rows), consistent with ``group_sizes``. Where A <= E the work list is then
       built from them alone (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
-      list, so the same result; ids out of order give zeros); elsewhere they are not used. The
+      list, so the same result; ids out of order give zeros, except with per-row items, which
+      take each row's id as it is); elsewhere they are not used. The
       model passes them; on the H200 the INT4 layer takes 0.92x the GPU time of the group_sizes
       form at 384 experts and T = 1 and 9 (``benchmarks/results/bench_moe_rows.md``).
     per_row: each row its own work item (``moe_experts_per_row``: no work list, no padded copy
