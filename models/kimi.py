@@ -284,9 +284,15 @@ def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None
   _check_pallas_backend()
   from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
 
-  if not isinstance(experts, int4.Int4Experts):
-    experts = int4.Bf16Experts(*(w.astype(x_sorted.dtype) for w in experts))
-  return moe.moe_experts(x_sorted, group_sizes, experts, sorted_expert_ids=sorted_expert_ids, per_row=per_row)
+  return moe.moe_experts(x_sorted, group_sizes, _kernel_experts(experts, x_sorted.dtype),
+                         sorted_expert_ids=sorted_expert_ids, per_row=per_row)
+
+
+def _kernel_experts(experts, dtype):
+  """The experts as the kernel takes them: INT4 as they are (packed), bf16 weights in ``dtype``."""
+  if isinstance(experts, int4.Int4Experts):
+    return experts
+  return int4.Bf16Experts(*(w.astype(dtype) for w in experts))
 
 
 def route(router_logits, bias, valid, cfg: KimiConfig):
@@ -415,9 +421,7 @@ def _routed_block_per_row(tokens, expert_ids, weights, experts):
   from pallas_kernels import moe
 
   _check_pallas_backend()
-  if not isinstance(experts, int4.Int4Experts):
-    experts = int4.Bf16Experts(*(w.astype(tokens.dtype) for w in experts))
-  y = moe.moe_experts_per_row(tokens, expert_ids, experts)  # [M, K, H]
+  y = moe.moe_experts_per_row(tokens, expert_ids, _kernel_experts(experts, tokens.dtype))  # [M, K, H]
   ids = jnp.minimum(expert_ids, e)  # routed nowhere: E, as the sorted path's padding
   # Slot j's place among its token's slots in (id, slot) order: a stable argsort of K ids.
   slot = jnp.arange(k)
