@@ -1419,6 +1419,9 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
     meta = _window_meta(slots, prefix_len, visibility, valid, q_len=q_len, cache_len=cache_len,
                         heads_per_group=heads_per_group, num_groups=num_groups, pl_=pl_)
     live_counts = _split_counts(meta, pl_)
+    # As opaque to the merge as a prepared ``window_meta`` is: fused into the XLA merge, the
+    # counts let XLA build other merge kernels, which on the H200 added differently (h8 b8 4k q9).
+    meta, live_counts = lax.optimization_barrier((meta, live_counts))
   else:
     meta, live_counts = _checked_meta(name, window_meta, layout)
   num_words = meta.shape[2] - 2
