@@ -1241,15 +1241,48 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
     plgpu.barrier_arrive(barrier)
     return add_values(acc, p16, stage, half)
 
-  def pairs(first, count, window: bool, wg_index: int, carry):
-    body = _seesaw_pair_wg0 if wg_index == 0 else _seesaw_pair_wg1
-    step = functools.partial(body, ctx=ctx, window=window)
-    return lax.fori_loop(first, first + count, step, carry)
+  def pair_wg0(j, carry, window: bool):
+    """Warpgroup 0's part of pair j: S_a and its softmax, (m_a, P_a) out, O_L += P_a V_a; then
+    (m_b, P_b) in, O_L rescaled to m_b and += P_b V_b."""
+    acc, m_run, l_run = carry
+    a, b = 2 * j, 2 * j + 1
+    stage_a, stage_b = lax.rem(a, num_stages), lax.rem(b, num_stages)
+    plgpu.barrier_wait(loaded.at[stage_a])
+    m_a, alpha_a, p = softmax(scores(a), a, m_run, window)
+    # The P buffer: warpgroup 0 read P_b of the pair before in its last product, which is done.
+    acc = publish_and_add(0, m_a, p.astype(jnp.bfloat16), a_ready, rescale(acc, alpha_a), stage_a, 0)
+    l_run = l_run * alpha_a + p.sum(axis=1)
+    plgpu.barrier_arrive(consumed.at[stage_a])
+    plgpu.barrier_wait(loaded.at[stage_b])
+    plgpu.barrier_wait(b_ready)
+    m_b = plgpu.load(exchange.at[1], layout=per_row)
+    alpha_b = factor(m_a, m_b)
+    acc = add_values(rescale(acc, alpha_b), p_smem, stage_b, 0)
+    plgpu.barrier_arrive(consumed.at[stage_b])
+    return acc, m_b, l_run * alpha_b
 
-  ctx = dict(scores=scores, softmax=softmax, factor=factor, publish_and_add=publish_and_add,
-             rescale=rescale, add_values=add_values, loaded=loaded, consumed=consumed,
-             a_ready=a_ready, b_ready=b_ready, exchange=exchange, p_smem=p_smem,
-             num_stages=num_stages, per_row=per_row)
+  def pair_wg1(j, carry, window: bool):
+    """Warpgroup 1's part of pair j: S_b, then (m_a, P_a) in and S_b's softmax against m_a, O_R
+    rescaled to m_a and += P_a V_a, rescaled to m_b; (m_b, P_b) out, O_R += P_b V_b."""
+    acc, m_run, l_run = carry
+    a, b = 2 * j, 2 * j + 1
+    stage_a, stage_b = lax.rem(a, num_stages), lax.rem(b, num_stages)
+    plgpu.barrier_wait(loaded.at[stage_b])
+    s_b = scores(b)  # on the tensor cores while warpgroup 0 exponentiates S_a
+    plgpu.barrier_wait(a_ready)
+    m_a = plgpu.load(exchange.at[0], layout=per_row)
+    m_b, alpha_b, p = softmax(s_b, b, m_a, window)
+    alpha_a = factor(m_run, m_a)
+    plgpu.barrier_wait(loaded.at[stage_a])
+    acc = add_values(rescale(acc, alpha_a), p_smem, stage_a, 1)
+    plgpu.barrier_arrive(consumed.at[stage_a])
+    # P_a's product is done (its value was read back): the buffer takes P_b.
+    acc = publish_and_add(1, m_b, p.astype(jnp.bfloat16), b_ready, rescale(acc, alpha_b), stage_b, 1)
+    plgpu.barrier_arrive(consumed.at[stage_b])
+    return acc, m_b, (l_run * alpha_a) * alpha_b + p.sum(axis=1)
+
+  def pairs(first, count, window: bool, pair, carry):
+    return lax.fori_loop(first, first + count, functools.partial(pair, window=window), carry)
 
   def init():
     m_run = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), per_row)
@@ -1265,8 +1298,8 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   def _wg0():
     plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
-    carry = pairs(0, unmasked_pairs, False, 0, init())
-    carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, 0, carry)
+    carry = pairs(0, unmasked_pairs, False, pair_wg0, init())
+    carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, pair_wg0, carry)
 
     def last_tile(_, carry):  # an unpaired last tile: warpgroup 0's scores, both halves of O
       acc, m_run, l_run = carry
@@ -1294,8 +1327,8 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   def _wg1():
     plgpu.set_max_registers(regs1, action="increase")
     plgpu.barrier_wait(q_barrier)
-    carry = pairs(0, unmasked_pairs, False, 1, init())
-    carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, 1, carry)
+    carry = pairs(0, unmasked_pairs, False, pair_wg1, init())
+    carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, pair_wg1, carry)
 
     def last_tile(_, carry):
       acc, m_run, l_run = carry
@@ -1316,50 +1349,6 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
     plgpu.barrier_arrive(l_ready)
     plgpu.barrier_wait(done)
     tools.store_output(acc, 1, plgpu.load(exchange.at[1], layout=per_row))
-
-
-def _seesaw_pair_wg0(j, carry, *, ctx, window: bool):
-  """Warpgroup 0's part of pair j: S_a and its softmax, P_a out, O_L += P_a V_a, then (m_b, P_b)
-  in, O_L rescaled to m_b and += P_b V_b."""
-  acc, m_run, l_run = carry
-  a, b = 2 * j, 2 * j + 1
-  stage_a, stage_b = lax.rem(a, ctx["num_stages"]), lax.rem(b, ctx["num_stages"])
-  plgpu.barrier_wait(ctx["loaded"].at[stage_a])
-  m_a, alpha_a, p = ctx["softmax"](ctx["scores"](a), a, m_run, window)
-  # The P buffer: warpgroup 0 read P_b of the pair before in its last product, which is done.
-  acc = ctx["publish_and_add"](0, m_a, p.astype(jnp.bfloat16), ctx["a_ready"], ctx["rescale"](acc, alpha_a),
-                               stage_a, 0)
-  l_run = l_run * alpha_a + p.sum(axis=1)
-  plgpu.barrier_arrive(ctx["consumed"].at[stage_a])
-  plgpu.barrier_wait(ctx["loaded"].at[stage_b])
-  plgpu.barrier_wait(ctx["b_ready"])
-  m_b = plgpu.load(ctx["exchange"].at[1], layout=ctx["per_row"])
-  alpha_b = ctx["factor"](m_a, m_b)
-  acc = ctx["add_values"](ctx["rescale"](acc, alpha_b), ctx["p_smem"], stage_b, 0)
-  plgpu.barrier_arrive(ctx["consumed"].at[stage_b])
-  return acc, m_b, l_run * alpha_b
-
-
-def _seesaw_pair_wg1(j, carry, *, ctx, window: bool):
-  """Warpgroup 1's part of pair j: S_b, then (m_a, P_a) in and the softmax of S_b against m_a,
-  O_R rescaled to m_a and += P_a V_a, rescaled to m_b, P_b out, O_R += P_b V_b."""
-  acc, m_run, l_run = carry
-  a, b = 2 * j, 2 * j + 1
-  stage_a, stage_b = lax.rem(a, ctx["num_stages"]), lax.rem(b, ctx["num_stages"])
-  plgpu.barrier_wait(ctx["loaded"].at[stage_b])
-  s_b = ctx["scores"](b)  # on the tensor cores while warpgroup 0 exponentiates S_a
-  plgpu.barrier_wait(ctx["a_ready"])
-  m_a = plgpu.load(ctx["exchange"].at[0], layout=ctx["per_row"])
-  m_b, alpha_b, p = ctx["softmax"](s_b, b, m_a, window)
-  alpha_a = ctx["factor"](m_run, m_a)
-  plgpu.barrier_wait(ctx["loaded"].at[stage_a])
-  acc = ctx["add_values"](ctx["rescale"](acc, alpha_a), ctx["p_smem"], stage_a, 1)
-  plgpu.barrier_arrive(ctx["consumed"].at[stage_a])
-  # P_a's product is done (its value was read back): the buffer takes P_b.
-  acc = ctx["publish_and_add"](1, m_b, p.astype(jnp.bfloat16), ctx["b_ready"], ctx["rescale"](acc, alpha_b),
-                               stage_b, 1)
-  plgpu.barrier_arrive(ctx["consumed"].at[stage_b])
-  return acc, m_b, (l_run * alpha_a) * alpha_b + p.sum(axis=1)
 
 
 def _accumulate(issue, acc, interpreted: bool):
