@@ -979,17 +979,17 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
 class _RowsMTools(NamedTuple):
   """What both "rows_m" schedules do alike (``_rows_m_tools``)."""
+  finish_wg0: object  # (acc, m_run, l_run) -> 1 / l to warpgroup 1, O[:, :Dv/2] and the lse out
+  finish_wg1: object  # acc -> O[:, Dv/2:] out, once warpgroup 0 has sent 1 / l
   add_values: object  # (acc, p, stage, half) -> acc + P V[:, half]
   rescale: object  # (acc, alpha [64]) -> acc * alpha per row
-  store_output: object  # (acc, half, inv_l) -> writes this split's partial O[:, half]
   zero_acc: object  # () -> a zero [64, Dv / 2] fp32 accumulator
   row_vector: object  # r -> metadata row r as [64, 64], constant along the KV axis
   visible_window: object  # col -> the window's packed visibility bits as [64, 64] bools
   per_row: object  # the layout of a [64] per-row vector of a WGMMA array
 
 
-def _rows_m_tools(named: _Refs, plan: Plan, cta: _Cta, interpreted: bool, num_words: int):
-  """(``_RowsMTools``, the "done" barrier: warpgroup 0's "1 / l is in the exchange")."""
+def _rows_m_tools(named: _Refs, plan: Plan, cta: _Cta, interpreted: bool, num_words: int) -> _RowsMTools:
   o_ref, value_smem, q_smem, meta_smem = named.o_ref, named.value_smem, named.q_smem, named.meta_smem
   rows, bk = plan.rows_per_tile, BLOCK_KV
   opts = plan.options
@@ -1039,7 +1039,24 @@ def _rows_m_tools(named: _Refs, plan: Plan, cta: _Cta, interpreted: bool, num_wo
   def visible_window(col):
     return _window_visibility(col, cta.window_start, num_words, row_vector, (rows, bk))
 
-  return _RowsMTools(add_values, rescale, store_output, zero_acc, row_vector, visible_window, per_row), done
+  exchange, lse_ref = named.exchange, named.lse_ref
+
+  def finish_wg0(acc, m_run, l_run):
+    empty = l_run == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
+    exchange.at[1][...] = inv_l
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(done)
+    store_output(acc, 0, inv_l)
+    lse_ref.at[cta.bg, cta.split, cta.row_tile][...] = jnp.where(
+        empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
+
+  def finish_wg1(acc):
+    plgpu.barrier_wait(done)
+    store_output(acc, 1, plgpu.load(exchange.at[1], layout=per_row))
+
+  return _RowsMTools(finish_wg0, finish_wg1, add_values, rescale, zero_acc, row_vector, visible_window,
+                     per_row)
 
 
 def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
@@ -1062,8 +1079,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
                                  num_words=num_words, cache_len=cache_len, scale=scale,
                                  interpreted=interpreted)
   q_smem, key_smem, p_smem, exchange = named.q_smem, named.key_smem, named.p_smem, named.exchange
-  loaded, consumed, p_ready, p_free, q_barrier, lse_ref = (
-      named.loaded, named.consumed, named.p_ready, named.p_free, named.q_barrier, named.lse_ref)
+  loaded, consumed, p_ready, p_free, q_barrier = (
+      named.loaded, named.consumed, named.p_ready, named.p_free, named.q_barrier)
 
   rows, bk = plan.rows_per_tile, BLOCK_KV
   num_stages = plan.num_stages
@@ -1071,11 +1088,10 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   regs0, regs1 = (r or 232 for r in opts.regs)
 
   cta = _cta(meta_ref, plan=plan, num_groups=num_groups, num_words=num_words, cache_len=cache_len)
-  bg, split, row_tile, wg = cta.bg, cta.split, cta.row_tile, cta.wg
-  hi, num_tiles, first_window_tile, tile_start = cta.hi, cta.num_tiles, cta.first_window_tile, cta.tile_start
-  tools, done = _rows_m_tools(named, plan, cta, interpreted, num_words)
-  add_values, rescale, store_output, zero_acc, per_row = (
-      tools.add_values, tools.rescale, tools.store_output, tools.zero_acc, tools.per_row)
+  wg, hi, num_tiles, first_window_tile, tile_start = (
+      cta.wg, cta.hi, cta.num_tiles, cta.first_window_tile, cta.tile_start)
+  tools = _rows_m_tools(named, plan, cta, interpreted, num_words)
+  add_values, rescale, zero_acc, per_row = tools.add_values, tools.rescale, tools.zero_acc, tools.per_row
 
   @cta.when(wg == 2)
   def _memory_wg():
@@ -1131,16 +1147,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
     l_run = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), per_row)
     carry = lax.fori_loop(0, first_window_tile, functools.partial(step, window=False),
                           (zero_acc(), m_run, l_run))
-    acc, m_run, l_run = lax.fori_loop(first_window_tile, num_tiles,
-                                      functools.partial(step, window=True), carry)
-    empty = l_run == 0.0
-    inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
-    exchange.at[1][...] = inv_l
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(done)
-    store_output(acc, 0, inv_l)
-    lse_ref.at[bg, split, row_tile][...] = jnp.where(
-        empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
+    tools.finish_wg0(*lax.fori_loop(first_window_tile, num_tiles,
+                                    functools.partial(step, window=True), carry))
 
   @cta.when(wg == 1)
   def _values_wg():
@@ -1162,9 +1170,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
       plgpu.barrier_arrive(consumed.at[stage])
       return acc
 
-    acc = lax.fori_loop(0, num_tiles, step, zero_acc())
-    plgpu.barrier_wait(done)
-    store_output(acc, half, plgpu.load(exchange.at[1], layout=per_row))
+    tools.finish_wg1(lax.fori_loop(0, num_tiles, step, zero_acc()))
 
 
 def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: int,
@@ -1187,8 +1193,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   at the end.
   """
   q_smem, key_smem, p_smem, exchange = named.q_smem, named.key_smem, named.p_smem, named.exchange
-  loaded, consumed, a_ready, q_barrier, lse_ref = (
-      named.loaded, named.consumed, named.p_ready, named.q_barrier, named.lse_ref)
+  loaded, consumed, a_ready, q_barrier = named.loaded, named.consumed, named.p_ready, named.q_barrier
   # Its own barrier for the final row sum: on the hand-off's, warpgroup 1 would arrive twice in a
   # row after the last pair, before warpgroup 0 had observed the first (a phase lost).
   b_ready, l_ready = named.p_free.at[0], named.p_free.at[1]
@@ -1196,9 +1201,8 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   num_stages = plan.num_stages
   regs0, regs1 = (r or 232 for r in plan.options.regs)
   cta = _cta(meta_ref, plan=plan, num_groups=num_groups, num_words=num_words, cache_len=cache_len)
-  bg, split, row_tile, wg = cta.bg, cta.split, cta.row_tile, cta.wg
-  hi, num_tiles, tile_start = cta.hi, cta.num_tiles, cta.tile_start
-  tools, done = _rows_m_tools(named, plan, cta, interpreted, num_words)
+  wg, hi, num_tiles, tile_start = cta.wg, cta.hi, cta.num_tiles, cta.tile_start
+  tools = _rows_m_tools(named, plan, cta, interpreted, num_words)
   rescale, add_values, per_row = tools.rescale, tools.add_values, tools.per_row
   # Pairs [0, unmasked_pairs) lie before the window; the rest run masked.
   unmasked_pairs = cta.first_window_tile // 2
@@ -1313,15 +1317,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
 
     acc, m_run, l_run = lax.fori_loop(0, num_tiles - 2 * num_pairs, last_tile, carry)
     plgpu.barrier_wait(l_ready)  # warpgroup 1's row sum, in exchange[0]
-    l_run = l_run + plgpu.load(exchange.at[0], layout=per_row)
-    empty = l_run == 0.0
-    inv_l = 1.0 / jnp.where(empty, 1.0, l_run)
-    exchange.at[1][...] = inv_l
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(done)
-    tools.store_output(acc, 0, inv_l)
-    lse_ref.at[bg, split, row_tile][...] = jnp.where(
-        empty, -jnp.inf, m_run + jnp.log2(jnp.where(empty, 1.0, l_run)))
+    tools.finish_wg0(acc, m_run, l_run + plgpu.load(exchange.at[0], layout=per_row))
 
   @cta.when(wg == 1)
   def _wg1():
@@ -1347,8 +1343,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
     exchange.at[0][...] = l_run
     plgpu.commit_smem()
     plgpu.barrier_arrive(l_ready)
-    plgpu.barrier_wait(done)
-    tools.store_output(acc, 1, plgpu.load(exchange.at[1], layout=per_row))
+    tools.finish_wg1(acc)
 
 
 def _accumulate(issue, acc, interpreted: bool):
