@@ -92,10 +92,11 @@ Layout of the work (why it is shaped this way):
     S of tile i + 1 before the softmax of tile i) needs tile i + 1 resident while tile i is in
     use and its load started earlier, i.e. a third KV stage, which does not fit. The FlashMLA
     remedy (both warpgroups compute S for alternate tiles and exchange the row maxima) is
-    ``Options.schedule="seesaw"``: correct, and 1.26-1.39x slower in every cell timed (goal cell
-    kernel 41.8 against 30.0 us, ``bench_tree_attention_seesaw.md``). With one P buffer (no room
-    for a second) warpgroup 1 must finish its product with P_a before it can hand over P_b, so
-    each pair still runs both softmaxes and two products in one chain. The third row tile of q_len 17 (136 rows) holds 8 real rows of 64. A later run (same
+    ``Options.schedule="seesaw"``: correct, and its kernel 1.20-1.39x slower in every cell
+    timed (goal cell 41.8 against 30.0 us, ``bench_tree_attention_seesaw.md``). With one P
+    buffer (no room for a second) warpgroup 1 must finish its product with P_a before it can
+    hand over P_b, so each pair still runs both softmaxes and two products in one chain. The
+    third row tile of q_len 17 (136 rows) holds 8 real rows of 64. A later run (same
     cell, ``bench_tree_attention_probes.md``): kernel 32.3 us, 31.6 without loads, 27.0 without
     P V, 18.7 without compute, and **20.4 without the partial-output stores** (probe "nostore";
     the outputs are then unused, so the compiler may also have dropped the P V products and
@@ -251,7 +252,7 @@ class Options:
     tiles go in pairs and each warpgroup computes the scores and softmax of one tile of a pair,
     so one's exponentials overlap the other's products (``_kernel_rows_m_seesaw``; probes
     "nocompute" and "nopv" are not built into it). H200, same run (``bench_tree_attention_seesaw``),
-    per layer: seesaw 1.26-1.39x the chain's time in all 8 cells timed (h8 b1 32k q17 44.3
+    per layer: seesaw 1.20-1.36x the chain's time in all 8 cells timed (h8 b1 32k q17 44.3
     against 33.2 us; q33 57.7 / 47.5; q65 101.0 / 84.5; b8 q17 261.2 / 192.3; b32 q65 2953 /
     2182; h64 b1 q17 192.3 / 149.0), same errors: the one P buffer makes warpgroup 1 finish
     P_a's product before it hands P_b over, so the pair's softmaxes and products still chain.
