@@ -117,6 +117,16 @@ def assert_close(got, want, num_routed):
   assert rel < REL_L2 and worst < MAX_FRACTION, f"relative L2 {rel:.2e}, max error {worst:.2e} of max|ref|"
 
 
+def poison_untouched(experts, touched):
+  """The experts with every weight (bf16) or scale (INT4) of the experts not in ``touched`` NaN:
+  a kernel that reads them makes its output NaN."""
+  keep = jnp.asarray(np.isin(np.arange(E), touched))[:, None, None]
+  if isinstance(experts, moe.Bf16Experts):
+    return moe.Bf16Experts(*(jnp.where(keep, w, jnp.nan).astype(jnp.bfloat16) for w in experts))
+  return moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
+                           for m in (experts.gate, experts.up, experts.down)))
+
+
 def check_case(fmt, num_tokens, seed, interpret, int4_dequant=None, top_k=2, allowed=(0, 2, 3, 5),
                num_padded=None, block_rows=None):
   """Random routing over ``allowed`` experts (1 and 4 get no tokens), padded rows included."""
@@ -319,12 +329,7 @@ def test_per_row_reads_only_live_pairs_experts(fmt):
   ids = np.array([[1, E, 4]], np.int32)
   tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
   clean = as_format(random_weights(12), fmt)
-  keep = jnp.asarray(np.isin(np.arange(E), (1, 4)))[:, None, None]
-  if fmt == "bf16":
-    poisoned = moe.Bf16Experts(*(jnp.where(keep, w, jnp.nan).astype(jnp.bfloat16) for w in clean))
-  else:
-    poisoned = moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
-                                 for m in (clean.gate, clean.up, clean.down)))
+  poisoned = poison_untouched(clean, (1, 4))
   y, gate_up_steps, down_steps = moe._moe_experts_per_row(tokens, jnp.asarray(ids), poisoned, None, None, None, None,
                                                           INTERPRET, True)
   y = np.asarray(y, np.float32)
@@ -454,12 +459,7 @@ def test_only_touched_experts_are_read(fmt, grid_order):
   order, sizes = routing(rng, 12, 1, E, touched, num_padded=2)
   x = sorted_rows(rng, order, sizes, H)
   clean = as_format(random_weights(11), fmt)
-  keep = jnp.asarray(np.isin(np.arange(E), touched))[:, None, None]
-  if fmt == "bf16":
-    poisoned = moe.Bf16Experts(*(jnp.where(keep, w, jnp.nan).astype(jnp.bfloat16) for w in clean))
-  else:
-    poisoned = moe.Int4Experts(*(dataclasses.replace(m, scale=jnp.where(keep, m.scale, jnp.nan).astype(jnp.bfloat16))
-                                 for m in (clean.gate, clean.up, clean.down)))
+  poisoned = poison_untouched(clean, touched)
   tiles = dataclasses.replace(moe.INT4_TILES if fmt == "int4" else moe.BF16_TILES, grid_order=grid_order)
   y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned, tiles=tiles,
                                                                  interpret=INTERPRET)
