@@ -500,6 +500,11 @@ def markdown(result) -> str:
   def frac(r):
     return f"{r['device_roofline_fraction']:.0%}" if r and "device_roofline_fraction" in r else "-"
 
+  def speedup(slow, fast):
+    """GPU time of ``slow`` over ``fast``, or "-" where either is missing."""
+    timed = slow and fast and "device_us" in slow and "device_us" in fast
+    return f"{slow['device_us'] / fast['device_us']:.1f}x" if timed else "-"
+
   def wall(r):
     return f"{r['time_us']:.0f} ({r['roofline_fraction']:.0%})" if r and "time_us" in r else "-"
 
@@ -515,8 +520,7 @@ def markdown(result) -> str:
       ref = pb or pi or rd or mg
       if ref is None:  # only block cells at this T
         continue
-      speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
-               else "-")
+      speed = speedup(rd, pb)
       lines.append(
           f"| {t} | {ref['distinct_experts']:.1f} | {pb['roofline_us'] if pb else 0:.0f} | {gpu(pb)} | {frac(pb)} "
           f"| {wall(pb)} | {pi['roofline_us'] if pi else 0:.0f} | {gpu(pi)} | {frac(pi)} | {wall(pi)} "
@@ -539,8 +543,7 @@ def markdown(result) -> str:
       ref = pb or pi or rd
       if ref is None:  # only block cells at this T
         continue
-      speed = (f"{rd['device_us'] / pb['device_us']:.1f}x" if rd and pb and "device_us" in rd and "device_us" in pb
-               else "-")
+      speed = speedup(rd, pb)
       lines.append(f"| {t} | {ref['distinct_experts']:.1f} | {gpu(pb)} | {frac(pb)} | {gpu(alone['bf16'])} "
                    f"| {gpu(pi)} | {frac(pi)} | {gpu(alone['int4'])} | {gpu(rd)} | {speed} |")
     lines.append("")

@@ -980,6 +980,8 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
 class _RowsMTools(NamedTuple):
   """What both "rows_m" schedules do alike (``_rows_m_tools``)."""
+  scores: object  # stage -> S = Q K^T of that KV stage, fp32 [64, 64]
+  init_carry: object  # () -> (zero O half, row max -inf, row sum 0)
   finish_wg0: object  # (acc, m_run, l_run) -> 1 / l to warpgroup 1, O[:, :Dv/2] and the lse out
   finish_wg1: object  # acc -> O[:, Dv/2:] out, once warpgroup 0 has sent 1 / l
   add_values: object  # (acc, p, stage, half) -> acc + P V[:, half]
@@ -1041,6 +1043,20 @@ def _rows_m_tools(named: _Refs, plan: Plan, cta: _Cta, interpreted: bool, num_wo
     return _window_visibility(col, cta.window_start, num_words, row_vector, (rows, bk))
 
   exchange, lse_ref = named.exchange, named.lse_ref
+  q_smem, key_smem = named.q_smem, named.key_smem
+
+  def scores(stage):
+    def product(acc_ref):
+      for part in range(len(key_smem)):
+        plgpu.wgmma(acc_ref, q_smem[part], key_smem[part].at[stage].transpose((1, 0)))
+      return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((rows, bk), jnp.float32))
+
+  def init_carry():
+    m_run = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), per_row)
+    l_run = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), per_row)
+    return zero_acc(), m_run, l_run
 
   def finish_wg0(acc, m_run, l_run):
     empty = l_run == 0.0
@@ -1056,8 +1072,8 @@ def _rows_m_tools(named: _Refs, plan: Plan, cta: _Cta, interpreted: bool, num_wo
     plgpu.barrier_wait(done)
     store_output(acc, 1, plgpu.load(exchange.at[1], layout=per_row))
 
-  return _RowsMTools(finish_wg0, finish_wg1, add_values, rescale, zero_acc, row_vector, visible_window,
-                     per_row)
+  return _RowsMTools(scores, init_carry, finish_wg0, finish_wg1, add_values, rescale, zero_acc, row_vector,
+                     visible_window, per_row)
 
 
 def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
@@ -1079,7 +1095,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
                                  shared_value=shared_value, num_groups=num_groups,
                                  num_words=num_words, cache_len=cache_len, scale=scale,
                                  interpreted=interpreted)
-  q_smem, key_smem, p_smem, exchange = named.q_smem, named.key_smem, named.p_smem, named.exchange
+  p_smem, exchange = named.p_smem, named.exchange
   loaded, consumed, p_ready, p_free, q_barrier = (
       named.loaded, named.consumed, named.p_ready, named.p_free, named.q_barrier)
 
@@ -1115,12 +1131,7 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
         plgpu.barrier_arrive(consumed.at[stage])
         return carry
 
-      def scores(acc_ref):
-        for part in range(num_key_parts):
-          plgpu.wgmma(acc_ref, q_smem[part], key_smem[part].at[stage].transpose((1, 0)))
-        return acc_ref[...]
-
-      s = pl.run_scoped(scores, plgpu.ACC((rows, bk), jnp.float32))
+      s = tools.scores(stage)
       vis = _tile_visibility(kv_iota + start, prefix_cut,
                              (nominal, hi, tools.visible_window) if window else None)
       m_new, alpha, p = _online_softmax_tile(s, vis, m_run, scale, kv_axis=1)
@@ -1144,10 +1155,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
       plgpu.barrier_arrive(consumed.at[stage])
       return acc, m_new, l_run
 
-    m_run = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), per_row)
-    l_run = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), per_row)
     carry = lax.fori_loop(0, first_window_tile, functools.partial(step, window=False),
-                          (zero_acc(), m_run, l_run))
+                          tools.init_carry())
     tools.finish_wg0(*lax.fori_loop(first_window_tile, num_tiles,
                                     functools.partial(step, window=True), carry))
 
@@ -1193,7 +1202,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   warpgroup 1, ``p_free[0]`` (m_b, P_b) to warpgroup 0, ``p_free[1]`` warpgroup 1's row sum
   at the end.
   """
-  q_smem, key_smem, p_smem, exchange = named.q_smem, named.key_smem, named.p_smem, named.exchange
+  p_smem, exchange = named.p_smem, named.exchange
   loaded, consumed, a_ready, q_barrier = named.loaded, named.consumed, named.p_ready, named.q_barrier
   # Its own barrier for the final row sum: on the hand-off's, warpgroup 1 would arrive twice in a
   # row after the last pair, before warpgroup 0 had observed the first (a phase lost).
@@ -1211,14 +1220,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
 
   def scores(i):
     """S = Q K^T of tile i (its stage already loaded), fp32 [64, 64]."""
-    stage = lax.rem(i, num_stages)
-
-    def product(acc_ref):
-      for part in range(num_key_parts):
-        plgpu.wgmma(acc_ref, q_smem[part], key_smem[part].at[stage].transpose((1, 0)))
-      return acc_ref[...]
-
-    return pl.run_scoped(product, plgpu.ACC((rows, bk), jnp.float32))
+    return tools.scores(lax.rem(i, num_stages))
 
   def softmax(s, i, m_run, window: bool):
     """Tile i's softmax against ``m_run``: (new max, rescale of the earlier tiles, P)."""
@@ -1289,11 +1291,6 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   def pairs(first, count, window: bool, pair, carry):
     return lax.fori_loop(first, first + count, functools.partial(pair, window=window), carry)
 
-  def init():
-    m_run = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), per_row)
-    l_run = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), per_row)
-    return tools.zero_acc(), m_run, l_run
-
   @cta.when(wg == 2)
   def _memory_wg():
     _stream_kv(plan=plan, refs=named, meta_ref=meta_ref, cta=cta, num_words=num_words,
@@ -1303,7 +1300,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   def _wg0():
     plgpu.set_max_registers(regs0, action="increase")
     plgpu.barrier_wait(q_barrier)
-    carry = pairs(0, unmasked_pairs, False, pair_wg0, init())
+    carry = pairs(0, unmasked_pairs, False, pair_wg0, tools.init_carry())
     carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, pair_wg0, carry)
 
     def last_tile(_, carry):  # an unpaired last tile: warpgroup 0's scores, both halves of O
@@ -1324,7 +1321,7 @@ def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: 
   def _wg1():
     plgpu.set_max_registers(regs1, action="increase")
     plgpu.barrier_wait(q_barrier)
-    carry = pairs(0, unmasked_pairs, False, pair_wg1, init())
+    carry = pairs(0, unmasked_pairs, False, pair_wg1, tools.init_carry())
     carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, pair_wg1, carry)
 
     def last_tile(_, carry):
