@@ -16,7 +16,7 @@ the experts touched. Here work follows them:
   bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
   Slots are grouped per expert in expert order; the list has a static length (``max_work_items``),
   and slots without rows (an expert's spare last slot, and the tail) are marked ``-1``. The list
-  is three small masked-sum fusions (no cumsum, searchsorted or gather kernels), and no rows are
+  is two masked-sum reductions (no cumsum, searchsorted or gather kernels), and no rows are
   gathered: the gate/up kernel loads each item's R-row block straight from x_sorted. A block's
   rows of other experts cost no extra MMA work and their results are never read (each MMA
   output column depends only on its own row).
@@ -50,9 +50,9 @@ packed layout pads K to a multiple of 256 with zero weights).
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
 bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
-82-93% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
-(63% at T = 1 with per-pair items, 54% with the sorted work list) and 49-68% for T = 9..136 with
-48. Where few experts are touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
+83-94% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
+(63% at T = 1 with per-pair items, 54% with the sorted work list) and 50-71% for T = 9..136 with
+48 (``moe_waves.md``: what bounds the share's small T). Where few experts are touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
 programs and two warps per scheduler) ncu reads DRAM at 61% of its peak and the schedulers issuing
 in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and
 tile-major weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%,
@@ -143,8 +143,12 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   (possible only for the last one) is marked -1 like the unused tail. The static bound is loose
   by up to 7 rows per expert: at 384 experts and T = 136, 620 slots for ~363 live items; dead
   programs exit before loading anything (their cost is inside the bench numbers). The fields are
-  masked sums over [E, E], [W, E] and [A, E]: three small fusions. (XLA's cumsum is a reduce-window kernel of
-  ~10 us on the H200; the earlier cumsum/searchsorted/gather form launched nine small kernels.)
+  two masked-sum reductions, each of several values at once: the prefix sums over [E, E], then
+  every item's and every row's picks over [W + A, E]. On the H200 that is about 4 kernels with
+  the output's take, against 7 when each value had its own sum (glue 10.2 -> 8.3 us a call at 48
+  experts and T = 9, 10.6 -> 7.7 at T = 17; small kernels cost 1-2 us each whatever their size).
+  (XLA's cumsum is a reduce-window kernel of ~10 us on the H200; the first cumsum/searchsorted/
+  gather form launched nine small kernels.)
   """
   e = group_sizes.shape[0]
   r = block_rows
@@ -154,38 +158,60 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   slots = jnp.where(sizes > 0, (sizes + ROW_ALIGN - 1 + r - 1) // r, 0)
   experts = jnp.arange(e, dtype=jnp.int32)
   upto = experts[None, :] <= experts[:, None]  # [E, E']: e' <= e
-  slot_end = jnp.sum(jnp.where(upto, slots[None, :], 0), axis=1)
-  row_end = jnp.sum(jnp.where(upto, sizes[None, :], 0), axis=1)
+  ends = _picks(upto, jnp.broadcast_to(jnp.stack([slots, sizes], 1)[None], (e, e, 2)))
+  slot_end, row_end = ends[:, 0], ends[:, 1]
   slot_start, row_start = slot_end - slots, row_end - sizes
   base = row_start - row_start % ROW_ALIGN
-  items = _items(experts, None, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window)
+  member_w, window = _item_candidates(slot_start, slot_end, row_end, base, None, w_max, r)
   rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
-  row_member = (row_start[None, :] <= rows) & (rows < row_end[None, :])  # [A, E]
+  member_a = (row_start[None, :] <= rows) & (rows < row_end[None, :])  # [A, E]
   column = _row_column(rows, base[None, :], slot_start[None, :], r, last_window)
-  return WorkList(*items, row_column=_pick(row_member, column), routed=rows[:, 0] < jnp.sum(sizes))
+  # The items' picks and the rows' columns in one reduction: [W + A, E, 5], the rows' column in
+  # the first value.
+  values_a = jnp.pad(column[..., None], ((0, 0), (0, 0), (0, ITEM_VALUES - 1)))
+  picked = _picks(jnp.concatenate([member_w, member_a]),
+                  jnp.concatenate([_item_values(window, experts, row_start, row_end), values_a]))
+  return WorkList(*_items_from(picked[:w_max], r, last_window), row_column=picked[w_max:, 0],
+                  routed=rows[:, 0] < row_end[-1])
 
 
-def _pick(member, values):
-  """[N] the one group's value where member[n, g] holds (at most one g does), else 0."""
-  return jnp.sum(jnp.where(member, values, 0), axis=1)
+def _picks(member, values):
+  """[N, k]: the k values of the one group g where member[n, g] holds (at most one does), else 0:
+  one masked-sum reduction over [N, G, k]."""
+  return jnp.sum(jnp.where(member[..., None], values, 0), axis=1)
 
 
-def _items(expert, group_live, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window):
-  """(expert, first_row, num_rows, block_start) [W] of the work items from per-group [G] values:
-  group g (an expert with rows, or in ``work_list_from_rows`` the first row of a run where
+ITEM_VALUES = 5  # what an item takes from its group (``_item_values``)
+
+
+def _item_candidates(slot_start, slot_end, row_end, base, group_live, w_max, r):
+  """([W, G] bool, [W, G] int32): whether item slot w is group g's, and its window's first row.
+  Group g (an expert with rows, or in ``work_list_from_rows`` the first row of a run where
   ``group_live`` holds) owns item slots [slot_start, slot_end), whose windows of R rows start at
-  its 8-aligned ``base``; a slot whose window starts past the group's rows is dead (-1)."""
+  its 8-aligned ``base``; a slot whose window starts past the group's rows is no one's."""
   items = jnp.arange(w_max, dtype=jnp.int32)[:, None]
   window = base[None, :] + (items - slot_start[None, :]) * r  # [W, G]
   member = (slot_start[None, :] <= items) & (items < slot_end[None, :]) & (window < row_end[None, :])
   if group_live is not None:
     member = member & group_live[None, :]
-  live = jnp.any(member, axis=1)
-  window = _pick(member, window)
-  first_row = jnp.maximum(_pick(member, row_start[None, :]), window)
-  last_row = jnp.minimum(_pick(member, row_end[None, :]), window + r)
-  return (jnp.where(live, _pick(member, expert[None, :]), -1), jnp.where(live, first_row, 0),
-          jnp.where(live, last_row - first_row, 0),
+  return member, window
+
+
+def _item_values(window, expert, row_start, row_end):
+  """[W, G, ITEM_VALUES]: window start, the group's rows [start, end), its expert, and 1 (live)."""
+  shape = window.shape
+  return jnp.stack([window, *(jnp.broadcast_to(v[None, :], shape) for v in (row_start, row_end, expert)),
+                    jnp.ones(shape, jnp.int32)], axis=-1)
+
+
+def _items_from(picked, r, last_window):
+  """(expert, first_row, num_rows, block_start) [W] from each slot's picked ``_item_values``
+  (all 0 for a slot that is no one's: expert -1)."""
+  window, row_start, row_end, expert, live = (picked[:, i] for i in range(ITEM_VALUES))
+  live = live > 0
+  first_row = jnp.maximum(row_start, window)
+  last_row = jnp.minimum(row_end, window + r)
+  return (jnp.where(live, expert, -1), jnp.where(live, first_row, 0), jnp.where(live, last_row - first_row, 0),
           jnp.where(live, jnp.minimum(window, last_window), 0))
 
 
@@ -227,7 +253,8 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   slot_start = jnp.sum(jnp.where(earlier, run_slots[None, :], 0), axis=1)
   slot_end = slot_start + run_slots
   base = row_start - row_start % ROW_ALIGN
-  items = _items(ids, first, slot_start, slot_end, row_start, row_end, base, w_max, r, last_window)
+  member, window = _item_candidates(slot_start, slot_end, row_end, base, first, w_max, r)
+  items = _items_from(_picks(member, _item_values(window, ids, row_start, row_end)), r, last_window)
   column = _row_column(rows, base, slot_start, r, last_window)
   return WorkList(*items, row_column=jnp.where(routed, column, 0), routed=routed)
 
@@ -300,8 +327,33 @@ BF16_TILES = KernelTiles(gate_up=TileConfig(block_k=64, stages=4), down=TileConf
 INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=2), down=TileConfig(block_k=256, stages=2))
 
 
-def default_tiles(experts) -> KernelTiles:
-  return INT4_TILES if isinstance(experts, Int4Experts) else BF16_TILES
+# bf16 gate/up where a step is expected to run at most one program per two SMs (about two
+# experts' 32 output tiles: the 48-expert share at one token). Alone on its SM a program streams
+# at its bytes in flight over the memory latency, so a ring twice as deep pays; from ~4 experts on
+# it gains nothing (H200, the kernel alone, ``moe_waves.md``: 1 and 2 items 33.7 -> 25.2 and 38.0
+# -> 28.3 us; 4 items 53.7 -> 53.9; 64 items 776 -> 804). Same block_k, so the same products in
+# the same order: the rows are bit for bit those of ``BF16_TILES``. INT4 steps are bound by their
+# dequantisation, not by the loads: four stages gained nothing there at any item count.
+BF16_FEW_PROGRAMS_TILES = dataclasses.replace(BF16_TILES, gate_up=TileConfig(block_k=64, stages=8))
+
+
+def expected_touched(num_experts: int, expected_rows: int) -> float:
+  """Experts a step of ``expected_rows`` uniformly routed rows is expected to touch."""
+  return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** max(1, expected_rows))
+
+
+def default_tiles(experts, expected_rows: int | None = None) -> KernelTiles:
+  """The tuned tiles of the weights' format; for bf16 a deeper gate/up ring where ``expected_rows``
+  (rows routed to these experts) gives at most one gate/up program per two SMs."""
+  if isinstance(experts, Int4Experts):
+    return INT4_TILES
+  deep = BF16_FEW_PROGRAMS_TILES.gate_up
+  if expected_rows is not None:
+    num_experts, hidden, inter = experts.gate.shape
+    few = expected_touched(num_experts, expected_rows) * pl.cdiv(inter, TILE_N) <= num_sms() // 2
+    if few and pl.cdiv(hidden, deep.block_k) >= 2 * deep.stages:  # a ring deeper than the steps is moot
+      return BF16_FEW_PROGRAMS_TILES
+  return BF16_TILES
 
 
 def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
@@ -618,8 +670,7 @@ SERIAL_PROGRAMS_PER_SM = 4
 
 def default_int4_dequant(num_experts: int, expected_rows: int, inter: int) -> str:
   """'registers_serial' where the gate/up grid is expected to hold >= 4 live programs per SM."""
-  touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** max(1, expected_rows))
-  programs = touched * pl.cdiv(inter, TILE_N)
+  programs = expected_touched(num_experts, expected_rows) * pl.cdiv(inter, TILE_N)
   return "registers_serial" if programs >= SERIAL_PROGRAMS_PER_SM * num_sms() else "registers"
 
 
@@ -696,6 +747,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
                  count_tile_loads, sorted_expert_ids=None, per_row=None):
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
+  tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows)
   if per_row is not None and not isinstance(per_row, bool):
     raise ValueError(f"per_row={per_row!r}: expected None (auto), True or False")
   if per_row is None:
@@ -747,8 +799,9 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       mode's default: it cannot run inline PTX). GPU default: ``default_int4_dequant``.
     expected_rows: rows expected to be routed to these experts (static; default A). Under expert
       parallelism, where most of A is other devices' padding, pass the local share (about
-      A x E / all experts): it sets the defaults of ``block_rows`` and ``int4_dequant``.
-    tiles: ``KernelTiles`` (static); default ``default_tiles`` (tuned on the H200).
+      A x E / all experts): it sets the defaults of ``block_rows``, ``int4_dequant`` and ``tiles``.
+    tiles: ``KernelTiles`` (static); default ``default_tiles(experts, expected_rows)`` (tuned on
+      the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
     sorted_expert_ids: optional int[A], each sorted row's expert in ascending order (E or more
       for padding rows), consistent with ``group_sizes``. Where A <= E the work list is then
@@ -802,6 +855,7 @@ def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, 
   _, _, inter, e = _check_inputs(tokens, None, experts)
   pairs = expert_ids.size
   r, dequant = _resolve_options(pairs, e, inter, block_rows, int4_dequant, expected_rows, interpret)
+  tiles = tiles or default_tiles(experts, pairs if expected_rows is None else expected_rows)
   return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads)
 
 

@@ -418,6 +418,46 @@ def test_default_int4_form_follows_the_expected_programs_per_sm():
   assert moe.default_int4_dequant(48, 136, 2048) == "registers_serial"  # ~45 experts, 1450 programs
 
 
+def test_default_tiles_deepen_the_bf16_gate_up_ring_only_where_few_programs_run():
+  def bf16(num_experts, hidden=7168, inter=2048):
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    return moe.Bf16Experts(shape(num_experts, hidden, inter), shape(num_experts, hidden, inter),
+                           shape(num_experts, inter, hidden))
+  # 132 SMs off the GPU: at most 66 gate/up programs, i.e. about 2 touched experts of 32 tiles.
+  assert moe.default_tiles(bf16(48), expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES  # the share, T = 1
+  assert moe.default_tiles(bf16(48), expected_rows=2) == moe.BF16_FEW_PROGRAMS_TILES  # ~1.98 experts
+  assert moe.default_tiles(bf16(48), expected_rows=3) == moe.BF16_TILES  # ~2.9 experts: 94 programs
+  assert moe.default_tiles(bf16(384), expected_rows=8) == moe.BF16_TILES  # all experts, T = 1
+  assert moe.default_tiles(bf16(48)) == moe.BF16_TILES  # nothing expected: the tuned default
+  assert moe.default_tiles(bf16(48, hidden=960), expected_rows=1) == moe.BF16_TILES  # 15 k-steps < 2 x 8
+  assert moe.default_tiles(bf16(48, hidden=1024), expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES
+  assert moe.default_tiles(as_format(random_weights(1), "int4"), expected_rows=1) == moe.INT4_TILES
+  deep, tuned = moe.BF16_FEW_PROGRAMS_TILES, moe.BF16_TILES
+  assert deep.gate_up.block_k == tuned.gate_up.block_k and deep.gate_up.stages > tuned.gate_up.stages
+  assert deep.down == tuned.down
+
+
+def test_deep_bf16_ring_gives_the_tuned_tiles_rows_bit_for_bit():
+  """The ring's depth changes only the buffering: the same products in the same order. The default
+  takes the deep ring here (one expected row, 16 of 64-feature k-steps), for the sorted work list
+  and for per-pair items; both equal the tuned tiles' rows bit for bit and the reference."""
+  rng = np.random.default_rng(12)
+  hidden = 1088  # 17 k-steps of 64: more steps than the ring's 8 stages
+  experts = random_weights(12, hidden=hidden)
+  assert moe.default_tiles(experts, expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES
+  order, sizes = routing(rng, 3, 2, E)
+  x = sorted_rows(rng, order, sizes, hidden)
+  deep = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=1, interpret=INTERPRET)
+  tuned = moe.moe_experts(x, jnp.asarray(sizes), experts, tiles=moe.BF16_TILES, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
+  assert_close(deep, reference(x, sizes, experts), int(sizes.sum()))
+  tokens = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+  ids = jnp.asarray([[4, 1, 5]], jnp.int32)
+  deep = moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1, interpret=INTERPRET)
+  tuned = moe.moe_experts_per_row(tokens, ids, experts, tiles=moe.BF16_TILES, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
+
+
 def test_expected_rows_sets_the_defaults_and_is_checked():
   # 200 rows on E = 6 experts: from A the default is 64 rows per item; from expected_rows=6 (the
   # local share under expert parallelism) it is 16, which the work list's static length shows.
@@ -715,6 +755,27 @@ def test_gpu_matches_reference_random_routing(gpu, fmt, dequant, num_tokens):
 @pytest.mark.parametrize("fmt,dequant", FORMATS)
 def test_gpu_all_tokens_on_one_expert(gpu, fmt, dequant):
   check_case(fmt, 40, seed=7, interpret=None, int4_dequant=dequant, top_k=1, allowed=(4,), num_padded=3)
+
+
+@pytest.mark.gpu
+def test_gpu_deep_bf16_ring_gives_the_tuned_tiles_rows_at_kimi_widths(gpu):
+  """The 48-expert share at one token (one expected row) takes the deep gate/up ring by default:
+  bit for bit the tuned tiles' rows, per-pair items and the sorted work list alike."""
+  rng = np.random.default_rng(41)
+  e, h, inter = 48, 7168, 2048
+  experts = random_weights(41, num_experts=e, hidden=h, inter=inter, scale=0.02)
+  assert moe.default_tiles(experts, expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES
+  tokens = jnp.asarray(rng.standard_normal((1, h)), jnp.bfloat16)
+  ids = jnp.asarray([[3, e, 17, e, e, 40, e, e]], jnp.int32)  # 3 of 8 routed here
+  deep = moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1)
+  tuned = moe.moe_experts_per_row(tokens, ids, experts, tiles=moe.BF16_TILES)
+  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
+  order, sizes = routing(rng, 2, 8, e)
+  x = sorted_rows(rng, order, sizes, h)
+  deep = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=1, per_row=False)
+  tuned = moe.moe_experts(x, jnp.asarray(sizes), experts, tiles=moe.BF16_TILES, per_row=False)
+  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
+  assert_close(deep, reference(x, sizes, experts), int(sizes.sum()))
 
 
 @pytest.mark.gpu
