@@ -310,6 +310,12 @@ def variant_list():
       out.append((cell, f"q1 merge: kernel {columns} columns a CTA",
                   dict(options=O(merge="kernel", merge_columns=columns))))
     out.append((cell, "q1 merge: 66 splits", dict(num_splits=66)))
+  # q_len 1 (8 rows a request at 8 heads) in form "rows_m": 64-row tiles with 56 padded rows, but
+  # a softmax within warp quads instead of "rows_n"'s cross-warp reductions through shared memory
+  # (two warpgroup barriers per tile), where the default takes "rows_n" (under 80 rows).
+  for cell in [(8, 1, 32768, 1), (8, 1, 131072, 1), (8, 8, 32768, 1), (8, 32, 32768, 1)]:
+    out.append((cell, "q1 form: rows_n (default)", dict()))
+    out.append((cell, "q1 form: rows_m", dict(options=O(form="rows_m"))))
   # The default at these cells stages bf16 partials in shared memory for one TMA store and merges
   # them with the merge kernel: beside it the same partials merged by XLA, bf16 partials stored
   # from registers, and the previous default (fp32 partials from registers).
