@@ -1,26 +1,15 @@
 """``benchmarks/bench_moe.py``: ``--resume`` (one expert count timed again without the other) and
 the routed-block cells' inputs and table."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-  sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_moe imports gpu_timing beside it
-  try:
-    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "benchmarks" / "bench_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  finally:
-    sys.path.remove(str(ROOT / "benchmarks"))
-  return module
+  return load_benchmark("bench_moe")
 
 
 def row(experts, tokens, fmt, impl, device_us, roofline_us=50.0, **extra):

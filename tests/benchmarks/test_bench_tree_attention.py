@@ -1,22 +1,16 @@
 """``benchmarks/bench_tree_attention.py --resume``: a grid filled over several device calls."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("bench_tree_attention",
-                                                ROOT / "benchmarks" / "bench_tree_attention.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_benchmark("bench_tree_attention")
 
 
 def row(heads, batch, cached, q_len, time_us, **extra):

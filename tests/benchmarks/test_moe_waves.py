@@ -1,24 +1,15 @@
 """``benchmarks/moe_waves.py``: its tables put every measurement in its variant's row, in item order."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def waves():
-  sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports bench_moe and gpu_timing beside it
-  try:
-    spec = importlib.util.spec_from_file_location("moe_waves", ROOT / "benchmarks" / "moe_waves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  finally:
-    sys.path.remove(str(ROOT / "benchmarks"))
-  return module
+  return load_benchmark("moe_waves")
 
 
 def test_markdown_rows_follow_variants_and_item_counts(waves):

@@ -437,25 +437,32 @@ def test_default_tiles_deepen_the_bf16_gate_up_ring_only_where_few_programs_run(
   assert deep.down == tuned.down
 
 
-def test_deep_bf16_ring_gives_the_tuned_tiles_rows_bit_for_bit():
-  """The ring's depth changes only the buffering: the same products in the same order. The default
-  takes the deep ring here (one expected row, 16 of 64-feature k-steps), for the sorted work list
-  and for per-pair items; both equal the tuned tiles' rows bit for bit and the reference."""
-  rng = np.random.default_rng(12)
-  hidden = 1088  # 17 k-steps of 64: more steps than the ring's 8 stages
-  experts = random_weights(12, hidden=hidden)
+def check_deep_ring_gives_the_tuned_tiles_rows(experts, pair_ids, num_tokens, top_k, seed, interpret):
+  """The default takes the deep gate/up ring at one expected row, and its rows equal the tuned
+  tiles' bit for bit (the ring's depth changes only the buffering: the same products in the same
+  order) for per-pair items (one token routed to ``pair_ids``) and for the sorted work list
+  (``num_tokens`` tokens, top ``top_k``), and match the reference."""
+  num_experts, hidden, _ = experts.gate.shape
   assert moe.default_tiles(experts, expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES
-  order, sizes = routing(rng, 3, 2, E)
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+  ids = jnp.asarray([pair_ids], jnp.int32)
+  deep = moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1, interpret=interpret)
+  tuned = moe.moe_experts_per_row(tokens, ids, experts, tiles=moe.BF16_TILES, interpret=interpret)
+  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
+  order, sizes = routing(rng, num_tokens, top_k, num_experts)
   x = sorted_rows(rng, order, sizes, hidden)
-  deep = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=1, interpret=INTERPRET)
-  tuned = moe.moe_experts(x, jnp.asarray(sizes), experts, tiles=moe.BF16_TILES, interpret=INTERPRET)
+  deep = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=1, per_row=False, interpret=interpret)
+  tuned = moe.moe_experts(x, jnp.asarray(sizes), experts, tiles=moe.BF16_TILES, per_row=False,
+                          interpret=interpret)
   np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
   assert_close(deep, reference(x, sizes, experts), int(sizes.sum()))
-  tokens = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
-  ids = jnp.asarray([[4, 1, 5]], jnp.int32)
-  deep = moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1, interpret=INTERPRET)
-  tuned = moe.moe_experts_per_row(tokens, ids, experts, tiles=moe.BF16_TILES, interpret=INTERPRET)
-  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
+
+
+def test_deep_bf16_ring_gives_the_tuned_tiles_rows_bit_for_bit():
+  # H = 1088: 17 k-steps of 64, more than the ring's 8 stages (the default's condition: >= 16).
+  check_deep_ring_gives_the_tuned_tiles_rows(random_weights(12, hidden=1088), [4, 1, E], num_tokens=3, top_k=2,
+                                             seed=12, interpret=INTERPRET)
 
 
 def test_expected_rows_sets_the_defaults_and_is_checked():
@@ -759,23 +766,12 @@ def test_gpu_all_tokens_on_one_expert(gpu, fmt, dequant):
 
 @pytest.mark.gpu
 def test_gpu_deep_bf16_ring_gives_the_tuned_tiles_rows_at_kimi_widths(gpu):
-  """The 48-expert share at one token (one expected row) takes the deep gate/up ring by default:
-  bit for bit the tuned tiles' rows, per-pair items and the sorted work list alike."""
-  rng = np.random.default_rng(41)
-  e, h, inter = 48, 7168, 2048
-  experts = random_weights(41, num_experts=e, hidden=h, inter=inter, scale=0.02)
-  assert moe.default_tiles(experts, expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES
-  tokens = jnp.asarray(rng.standard_normal((1, h)), jnp.bfloat16)
-  ids = jnp.asarray([[3, e, 17, e, e, 40, e, e]], jnp.int32)  # 3 of 8 routed here
-  deep = moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1)
-  tuned = moe.moe_experts_per_row(tokens, ids, experts, tiles=moe.BF16_TILES)
-  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
-  order, sizes = routing(rng, 2, 8, e)
-  x = sorted_rows(rng, order, sizes, h)
-  deep = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=1, per_row=False)
-  tuned = moe.moe_experts(x, jnp.asarray(sizes), experts, tiles=moe.BF16_TILES, per_row=False)
-  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
-  assert_close(deep, reference(x, sizes, experts), int(sizes.sum()))
+  """The 48-expert share at one token takes the deep ring on the real kernel: K2.6's H and I, 3 of
+  a token's 8 experts held here; 2 tokens of top-8 for the sorted work list."""
+  e = 48
+  experts = random_weights(41, num_experts=e, hidden=7168, inter=2048, scale=0.02)
+  check_deep_ring_gives_the_tuned_tiles_rows(experts, [3, e, 17, e, e, 40, e, e], num_tokens=2, top_k=8, seed=41,
+                                             interpret=None)
 
 
 @pytest.mark.gpu
