@@ -1,4 +1,5 @@
-"""``benchmarks/moe_waves.py``: its tables put every measurement in its variant's row, in item order."""
+"""``benchmarks/moe_waves.py``: its tables put every measurement in its variant's row, in item order;
+``moe_dead_tail.py`` refuses to run off the GPU."""
 
 import sys
 
@@ -34,3 +35,8 @@ def test_refuses_to_run_off_the_gpu(waves, monkeypatch):
   monkeypatch.setattr(sys, "argv", ["moe_waves.py"])
   with pytest.raises(SystemExit, match="GPU"):
     waves.main()
+
+
+def test_dead_tail_script_refuses_to_run_off_the_gpu():
+  with pytest.raises(SystemExit, match="GPU"):
+    load_benchmark("moe_dead_tail").main()
