@@ -32,6 +32,16 @@ the experts touched. Here work follows them:
      back to x_sorted's order.
   The routing weights and the sum back to tokens stay with the caller (``models.kimi.routed_block``),
   which already owns them: they cost O(A * H) against the O(touched * H * I) weight stream.
+* **Compact grid** (sorted path, ``_visit_items``): the work list's length is a static bound far
+  above the live items where few experts are touched, so the grid holds ``item_programs`` (about
+  twice the expected experts) programs along the items, each taking slots g, g + G, ... below the
+  list's slot count (read on the device); the slots past it cost nothing.
+* **Chunks of K and the split** (``TileConfig.chunk_k``, ``split_k``; INT4's gate/up): a program
+  sums K in fixed chunks of ``CHUNK_K`` features, each from zero in the MMA, and adds the chunks'
+  sums in order. Where one program per (output tile, item) would leave SMs idle (the 48-expert
+  share at one or two tokens), each chunk is its own program writing float32 sums, and a small
+  kernel (``_fold_kernel``) adds them in the same order and applies the SiLU: 7x the programs,
+  and the same rows bit for bit as the one-program form.
 * **Weights**: bf16 in the model's layout (gate/up [E, H, I], down [E, I, H]; the tensor core
   transposes the tile for free), or INT4 kept packed on the device in ``KernelInt4Matrix``'s
   layout: K2.6's nibbles and bf16 scales, the nibbles permuted once (at load) inside blocks of
@@ -50,20 +60,24 @@ packed layout pads K to a multiple of 256 with zero weights).
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
 bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
-83-94% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
-(63% at T = 1 with per-pair items, 54% with the sorted work list) and 50-71% for T = 9..136 with
-48 (``moe_waves.md``: what bounds the share's small T). Where few experts are touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172 registers a thread, so two
-programs and two warps per scheduler) ncu reads DRAM at 61% of its peak and the schedulers issuing
-in 57% of cycles, with 0.81 eligible warps; a third pipeline stage, 512-feature steps and
-tile-major weight words (each step's tile contiguous in memory) changed the gate/up kernel by -3%,
-+24% and -3%. The plain-jnp work list, pad and take cost ~15 us a call there with the sorted
-work list; per-pair items (``PER_ROW_MAX_ROWS``, the default there) leave 0.3-2.8 us. Wall time
-per call is higher at small T: XLA's host-side work per node of the step's CUDA graph
-(``benchmarks/moe_timeline.py``). Splitting K over more programs did not pay, neither chosen per
-call (``tune_moe.md``) nor static with float32 partials summed by XLA (2 splits, same run: 384
-experts T = 1 INT4 94-98 against 82 us, 48 experts T = 9 126-133 against 96 us; more programs per
-SM did not shorten the gate/up kernel). Each row's result depends only on its own input (fixed
-tiles, K in a fixed order), whatever the other rows.
+86-94% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
+(63% at T = 1 with per-pair items, 54% with the sorted work list) and 50-68% for T = 9..136 with
+48, 23% at T = 1 (``moe_waves.md``: what bounds the share's small T). Where few experts are
+touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172
+registers a thread, so two programs and two warps per scheduler) ncu reads DRAM at 61% of its
+peak and the schedulers issuing in 57% of cycles, with 0.81 eligible warps; a third pipeline
+stage, 512-feature steps and tile-major weight words (each step's tile contiguous in memory)
+changed the gate/up kernel by -3%, +24% and -3%. The plain-jnp work list, pad and take cost ~15
+us a call there with the sorted work list; per-pair items (``PER_ROW_MAX_ROWS``, the default
+there) leave 0.3-2.8 us. Wall time per call is higher at small T: XLA's host-side work per node
+of the step's CUDA graph
+(``benchmarks/moe_timeline.py``). Splitting K pays only where programs would otherwise leave SMs
+idle: chosen per call (``tune_moe.md``) or as 2 static splits with float32 partials summed by
+XLA it lost where 2 programs an SM were already live (384 experts T = 1 INT4 94-98 against 82
+us, 48 experts T = 9 126-133 against 96 us); the chunked split of INT4's gate/up below one
+program an SM saves 17-18% at 48 experts and T = 1, 2 (``INT4_TILES``). Each row's result
+depends only on its own input (fixed tiles, K in fixed chunks in a fixed order), whatever the
+other rows and whether the chunks were split.
 """
 
 import dataclasses
@@ -112,6 +126,17 @@ def default_block_rows(num_experts: int, num_rows: int) -> int:
   return min(64, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))
 
 
+ITEM_PROGRAMS_MIN = 8
+
+
+def default_item_programs(num_experts: int, expected_rows: int, w_items: int) -> int:
+  """Programs along the work items of the sorted path (``_visit_items``): twice the experts a step
+  of ``expected_rows`` is expected to touch (an expert's rows usually fit one item; the margin
+  covers routings that touch more), at least ``ITEM_PROGRAMS_MIN``; all W slots where that is
+  no fewer."""
+  return min(w_items, max(ITEM_PROGRAMS_MIN, int(np.ceil(2 * expected_touched(num_experts, expected_rows)))))
+
+
 class WorkList(NamedTuple):
   expert: jax.Array  # int32[W]: the item's expert; -1: a slot without rows (between experts, tail)
   first_row: jax.Array  # int32[W]: its first row in x_sorted
@@ -119,6 +144,7 @@ class WorkList(NamedTuple):
   block_start: jax.Array  # int32[W]: first row of the R-row block of x_sorted the kernel loads for it
   row_column: jax.Array  # int32[A]: each sorted row's position in the work layout [W * R]
   routed: jax.Array  # bool[A]: row < sum(group_sizes)
+  num_slots: jax.Array  # int32[1]: the slots before the unused tail (every slot from here on is -1)
 
 
 def padded_rows(num_rows: int, block_rows: int) -> int:
@@ -172,7 +198,7 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   picked = _picks(jnp.concatenate([member_w, member_a]),
                   jnp.concatenate([_item_values(window, experts, row_start, row_end), values_a]))
   return WorkList(*_items_from(picked[:w_max], r, last_window), row_column=picked[w_max:, 0],
-                  routed=rows[:, 0] < row_end[-1])
+                  routed=rows[:, 0] < row_end[-1], num_slots=slot_end[-1:])
 
 
 def _picks(member, values):
@@ -256,7 +282,8 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   member, window = _item_candidates(slot_start, slot_end, row_end, base, first, w_max, r)
   items = _items_from(_picks(member, _item_values(window, ids, row_start, row_end)), r, last_window)
   column = _row_column(rows, base, slot_start, r, last_window)
-  return WorkList(*items, row_column=jnp.where(routed, column, 0), routed=routed)
+  return WorkList(*items, row_column=jnp.where(routed, column, 0), routed=routed,
+                  num_slots=jnp.sum(jnp.where(first, run_slots, 0), keepdims=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,12 +317,34 @@ def per_row_layout(num_tokens: int, top_k: int, block_rows: int):
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block, leaving room for barriers
 
 
+# With ``chunk_k`` set, a program sums K in fixed chunks of that many input features: each chunk's
+# products accumulate from zero in the MMA, and the chunks' sums are then added in order in
+# float32, ((0 + c0) + c1) + ... Whether one program runs all chunks or each chunk is its own
+# program (``split_k``: its sums added by ``_fold_kernel`` or in the take), every row's result is
+# then the same bit for bit, so the split can follow the expected work (few experts: more
+# programs) without a row depending on how many rows share its call. 1024: K2.6's gate/up K =
+# 7168 gives 7 chunks, its down K = 2048 two.
+CHUNK_K = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-  """Static tiling of one kernel: input features per pipeline step and pipeline depth."""
+  """Static tiling of one kernel: input features per pipeline step, pipeline depth, the fixed
+  chunks of K summed apart (``chunk_k``, see ``CHUNK_K``; None: K in one sum), and whether each
+  chunk is its own program (``split_k``: float32 chunk sums added after the kernel; for few items,
+  where one program per output tile leaves SMs idle). Configs with equal ``block_k`` and
+  ``chunk_k`` give the same rows bit for bit, split or not."""
 
   block_k: int
   stages: int
+  chunk_k: int | None = None
+  split_k: bool = False
+
+  def __post_init__(self):
+    if self.block_k < 16 or (self.chunk_k is not None and self.chunk_k % self.block_k):
+      raise ValueError(f"TileConfig: block_k={self.block_k} must be >= 16 and divide chunk_k={self.chunk_k}")
+    if self.split_k and self.chunk_k is None:
+      raise ValueError("TileConfig: split_k needs chunk_k (the chunks each program takes)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,8 +372,19 @@ class KernelTiles:
 # From benchmarks/tune_moe.py on the H200 (benchmarks/results/tune_moe.md). bf16: depths that
 # keep >= 64 KiB of weight tiles in flight per SM with two programs per SM. INT4: one PACK_BLOCK
 # (256 features) per step, two deep, beat 512-feature steps and three-deep pipelines.
+# INT4's gate/up kernel sums K in chunks (``CHUNK_K``) so that it can split where few experts are
+# touched (``default_tiles``). One H200 run per comparison, 2026-11-30, against one sum over K:
+# the chunks cost 1-2.5% where nothing splits (48 experts T = 17: 132.4 -> 134.9 us a call; 384
+# experts T = 1: 69.1 -> 69.9); the split gate/up saves 17% at 48 experts and T = 1 (28.6 -> 23.8
+# us: the gate/up kernel 18.9 -> 11.2, plus a 2.4 us fold kernel) and 18% at T = 2 (46.5 -> 38.2,
+# with the compact grid). Splitting the down kernel too (2 chunks) did not pay (24.3 vs 23.7 us
+# at T = 1: the gather of its chunk sums costs what the split saves), so it takes one sum. bf16
+# takes one sum in both: its split gained nothing at T = 1 (37.1 vs 37.3 us, the fold kernel
+# eating the gate/up's 3.6 us gain), and its chunks cost 2% in the step (they stop its MMAs from
+# staying in flight across steps) or up to 6% as a pipeline per chunk.
 BF16_TILES = KernelTiles(gate_up=TileConfig(block_k=64, stages=4), down=TileConfig(block_k=128, stages=4))
-INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=2), down=TileConfig(block_k=256, stages=2))
+INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=2, chunk_k=CHUNK_K),
+                         down=TileConfig(block_k=256, stages=2))
 
 
 # bf16 gate/up where a step is expected to run at most one program per two SMs (about two
@@ -343,13 +403,21 @@ def expected_touched(num_experts: int, expected_rows: int) -> float:
 
 
 def default_tiles(experts, expected_rows: int | None = None) -> KernelTiles:
-  """The tuned tiles of the weights' format; for bf16 a deeper gate/up ring where ``expected_rows``
-  (rows routed to these experts) gives at most one gate/up program per two SMs."""
+  """The tuned tiles of the weights' format, adjusted where ``expected_rows`` (rows routed to these
+  experts) leaves SMs idle: INT4 splits its gate/up kernel (``split_k``: a program per chunk of K,
+  7x the programs at K2.6's sizes) where its programs (touched experts x output tiles) are
+  expected to fit one per SM; bf16 takes a deeper gate/up ring where at most one gate/up program
+  per two SMs is expected. Every choice gives the same rows bit for bit."""
   if isinstance(experts, Int4Experts):
-    return INT4_TILES
+    tiles = INT4_TILES
+    if expected_rows is not None:
+      touched = expected_touched(experts.gate.num_experts, expected_rows)
+      if touched * pl.cdiv(experts.gate.out_features, TILE_N) <= num_sms():
+        tiles = dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, split_k=True))
+    return tiles
   deep = BF16_FEW_PROGRAMS_TILES.gate_up
   if expected_rows is not None:
-    num_experts, hidden, inter = experts.gate.shape
+    num_experts, hidden, inter = experts[0].shape
     few = expected_touched(num_experts, expected_rows) * pl.cdiv(inter, TILE_N) <= num_sms() // 2
     if few and pl.cdiv(hidden, deep.block_k) >= 2 * deep.stages:  # a ring deeper than the steps is moot
       return BF16_FEW_PROGRAMS_TILES
@@ -357,23 +425,25 @@ def default_tiles(experts, expected_rows: int | None = None) -> KernelTiles:
 
 
 def _smem_bytes(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
-                stages: int) -> int:
+                stages: int, fixed: int) -> int:
   bk = cfg.block_k
   if is_int4:
     weights = num_w * (TILE_N * bk // 2 + bk // GROUP_SIZE * TILE_N * 2)
   else:
     weights = num_w * bk * TILE_N * 2
   per_stage = weights + block_rows * bk * 2
-  fixed = block_rows * TILE_N * 2 + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
-  return stages * per_stage + fixed
+  return stages * per_stage + fixed + (num_w * TILE_N * bk * 2 if smem_dequant else 0)
 
 
-def _fit_stages(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int) -> int:
-  """The configured depth, shallower if the tiles would not fit in shared memory."""
+def _fit_stages(cfg: TileConfig, num_w: int, is_int4: bool, smem_dequant: bool, block_rows: int,
+                fixed: int) -> int:
+  """The configured depth, shallower if the tiles (and ``fixed`` bytes of scratch) would not fit
+  in shared memory."""
   stages = cfg.stages
-  while stages > 2 and _smem_bytes(cfg, num_w, is_int4, smem_dequant, block_rows, stages) > SMEM_BUDGET:
+  size = functools.partial(_smem_bytes, cfg, num_w, is_int4, smem_dequant, block_rows, fixed=fixed)
+  while stages > 2 and size(stages) > SMEM_BUDGET:
     stages -= 1
-  used = _smem_bytes(cfg, num_w, is_int4, smem_dequant, block_rows, stages)
+  used = size(stages)
   if used > SMEM_BUDGET:
     raise ValueError(f"block_rows={block_rows} needs {used} bytes of shared memory (> {SMEM_BUDGET}); "
                      "use fewer rows per work item")
@@ -484,7 +554,7 @@ def _dequant_words_jnp(words_smem, scale_smem, block_k: int):
 
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
-                    grid_order: str):
+                    grid_order: str, num_slots=None, item_programs: int | None = None):
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
@@ -494,9 +564,16 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       item w's rows at w * R.
     weights: tuple of bf16 [E, K, N] (one or two of them), or of ``KernelInt4Matrix`` [E, N, K].
     fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
+    num_slots, item_programs: a compact grid (``_visit_items``): ``item_programs`` (static) G < W
+      programs along the items, each taking slots g, g + G, ... below ``num_slots`` (int32[1],
+      on the device; every slot from there on is -1).
   Returns:
-    bf16 [W * R, N]; plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps
-    (each loading one tile of every weight) per program, 0 where the program skipped.
+    bf16 [W * R, N]; or, where ``cfg.split_k`` and K has more than one chunk, the chunks'
+    float32 sums [C, len(weights), W, N, R] (item w's chunk c of weight i at [c, i, w], features
+    by rows as the MMA makes them; not through SiLU: ``_fold_kernel`` or ``_work_rows`` adds
+    them). Plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps inside K
+    (each loading one tile of every weight) per (output tile, item), summed over chunk programs;
+    0 where the item is skipped.
   """
   r, bk = block_rows, cfg.block_k
   w_items = work_expert.shape[0]
@@ -514,7 +591,6 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     _, k_in, n_out = weights[0].shape
     flat_weights = list(weights)
   smem_dequant = is_int4 and int4_dequant == "smem"
-  stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r)
   n_tiles, k_steps = pl.cdiv(n_out, TILE_N), pl.cdiv(k_in, bk)
   if is_int4:
     # Over the padded K: its words and scales past K are zero, and so is x (zero-filled loads).
@@ -523,8 +599,25 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   else:
     x_atom = _swizzle_elems(k_in, n_out, TILE_N)
   out_atom = _swizzle_elems(n_out, TILE_N)
+  chunk_steps = k_steps if cfg.chunk_k is None else cfg.chunk_k // bk
+  chunks = pl.cdiv(k_steps, chunk_steps)
+  split = cfg.split_k and chunks > 1
+  fold = chunks > 1 and not split  # one program adds its chunks' sums
+  # INT4 steps drain their MMAs anyway, so it adds each chunk's sums inside its one pipeline into
+  # shared memory; bf16 keeps its MMAs in flight across steps, which an accumulator read in the
+  # step would stop, so it runs a pipeline per chunk (H200: the in-step form cost bf16 2%, the
+  # per-chunk form cost INT4 25-40%: its two-deep ring refills at every chunk). Interpret mode
+  # cannot store to an accumulator: always the per-chunk form there.
+  fold_in_step = fold and is_int4 and interpret is None
+  program_steps = chunk_steps if split else k_steps
+  acc_bytes = TILE_N * r * 4
+  fixed_smem = (num_w * acc_bytes if (split or fold_in_step) else 0) + (0 if split else r * TILE_N * 2)
+  stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r, fixed_smem)
+  compact = _compact(w_items, num_slots, item_programs)
 
   def body(expert_ref, *refs):
+    if compact:
+      slots_ref, *refs = refs
     if direct:
       start_ref, x_ref, *refs = refs
     else:
@@ -532,86 +625,235 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     w_refs = refs[:len(flat_weights)]
     out_ref = refs[len(flat_weights)]
     count_ref = refs[len(flat_weights) + 1] if count_tile_loads else None
-    out_smem, *deq_smem = refs[len(flat_weights) + 1 + count_tile_loads:]
+    scratch = refs[len(flat_weights) + 1 + count_tile_loads:]
+    if split:  # one [TILE_N, R] float32 tile per weight for its chunk's sums
+      part_smem, deq_smem = scratch[:num_w], scratch[num_w:]
+    elif fold_in_step:  # one [TILE_N, R] float32 running sum per weight, and the output tile
+      run_smem, (out_smem, *deq_smem) = scratch[:num_w], scratch[num_w:]
+    else:
+      out_smem, *deq_smem = scratch
     n = lax.axis_index("n")
-    w = lax.axis_index("w")
-    expert = expert_ref[w]
-    live = (expert >= 0) & (expert < num_experts)
+    c = lax.axis_index("c") if split else 0
+    first_step = c * chunk_steps
+    count_at = lambda w: (c, n, w) if split else (n, w)
 
-    if count_tile_loads:
-      @pl.when(~live)
+    def skip(w):
+      if count_tile_loads:
+        count_ref[count_at(w)] = jnp.int32(0)
+
+    def item(w):
+      expert = expert_ref[w]
+      live = (expert >= 0) & (expert < num_experts)
+
+      if count_tile_loads:
+        @pl.when(~live)
+        def _():
+          count_ref[count_at(w)] = jnp.int32(0)
+
+      @pl.when(live)
       def _():
-        count_ref[n, w] = jnp.int32(0)
-
-    @pl.when(live)
-    def _():
-      def acc_scope(*accs):
-        def step(idx, *args):
-          smem, count = args[:-1], args[-1]
-          x_t = smem[-1].T  # [bk, R]
-          if not is_int4:
-            for acc, w_smem in zip(accs, smem[:-1]):
-              plgpu.wgmma(acc, w_smem.T, x_t)  # [TILE_N, bk] @ [bk, R]
-            return count + 1
-          for i, acc in enumerate(accs):
-            words_smem, scale_smem = smem[2 * i], smem[2 * i + 1]
-            if smem_dequant:
-              deq_smem[i][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
-              plgpu.commit_smem()
-              plgpu.wgmma(acc, deq_smem[i], x_t)
+        def pipeline(accs, first, num_steps, fold_chunks):
+          """Runs steps [first, first + num_steps) of K into ``accs``; returns the steps inside K.
+          With ``fold_chunks`` each chunk's sums are added to ``run_smem`` and the MMAs restart
+          from zero, the loads staying in flight across chunks."""
+          def step(indices, *args):
+            (idx,), smem, count = indices, args[:-1], args[-1]
+            x_t = smem[-1].T  # [bk, R]
+            if not is_int4:
+              for acc, w_smem in zip(accs, smem[:-1]):
+                plgpu.wgmma(acc, w_smem.T, x_t)  # [TILE_N, bk] @ [bk, R]
             else:
-              plgpu.wgmma(acc, _dequant_words_registers(words_smem, scale_smem, bk), x_t)
-              if int4_dequant == "registers_serial":
-                plgpu.wgmma_wait(0)  # fewer live registers: the next weight's tile reuses them
-          # The operands (registers, or the one shared-memory tile per weight) must outlive their
-          # MMAs; this also lets the x tile go as soon as the step ends.
-          plgpu.wgmma_wait(0)
-          return count + 1
+              for i, acc in enumerate(accs):
+                words_smem, scale_smem = smem[2 * i], smem[2 * i + 1]
+                if smem_dequant:
+                  deq_smem[i][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
+                  plgpu.commit_smem()
+                  plgpu.wgmma(acc, deq_smem[i], x_t)
+                else:
+                  plgpu.wgmma(acc, _dequant_words_registers(words_smem, scale_smem, bk), x_t)
+                  if int4_dequant == "registers_serial":
+                    plgpu.wgmma_wait(0)  # fewer live registers: the next weight's tile reuses them
+              # The operands (registers, or the one shared-memory tile per weight) must outlive their
+              # MMAs; this also lets the x tile go as soon as the step ends.
+              plgpu.wgmma_wait(0)
+            if fold_chunks:
+              @pl.when((idx % chunk_steps == chunk_steps - 1) | (idx == num_steps - 1))
+              def _():
+                for acc, run in zip(accs, run_smem):
+                  run[...] = run[...] + acc[...]
+                  acc[...] = jnp.zeros((TILE_N, r), jnp.float32)
+            return count + (first + idx < k_steps).astype(jnp.int32)  # steps past K load zeros
 
-        if is_int4:
-          in_specs = []
-          for _ in range(num_w):
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, k), transforms=WORDS_TRANSFORMS))
-            in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, k)))
-        else:
-          in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (k, n), transforms=_bf16_transforms(x_atom),
-                                      delay_release=1)
-                      for _ in range(num_w)]
-        # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
-        start = pl.multiple_of(start_ref[w], ROW_ALIGN) if direct else w * r
-        x_rows = x_ref.at[pl.ds(start, r)]
-        in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, k), transforms=_bf16_transforms(x_atom),
-                                        delay_release=0 if is_int4 else 1))
-        steps = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
-                                    max_concurrent_steps=stages, init_carry=jnp.int32(0))(
-                                        *[ref.at[expert] for ref in w_refs], x_rows)
+          if is_int4:
+            in_specs = []
+            for _ in range(num_w):
+              in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, first + k),
+                                              transforms=WORDS_TRANSFORMS))
+              in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, first + k)))
+          else:
+            in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (first + k, n),
+                                        transforms=_bf16_transforms(x_atom), delay_release=1)
+                        for _ in range(num_w)]
+          # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
+          start = pl.multiple_of(start_ref[w], ROW_ALIGN) if direct else w * r
+          x_rows = x_ref.at[pl.ds(start, r)]
+          in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, first + k),
+                                          transforms=_bf16_transforms(x_atom), delay_release=0 if is_int4 else 1))
+          return plgpu.emit_pipeline(step, grid=(num_steps,), in_specs=in_specs,
+                                     max_concurrent_steps=stages, init_carry=jnp.int32(0))(
+                                         *[ref.at[expert] for ref in w_refs], x_rows)
+
+        def chunk_sums(first, num_steps):
+          def scope(*accs):
+            steps = pipeline(accs, first, num_steps, fold_chunks=False)
+            return steps, tuple(acc[...] for acc in accs)
+          return pl.run_scoped(scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
+
+        if not fold:
+          steps, sums = chunk_sums(first_step, program_steps)
+        elif fold_in_step:
+          def scope(*accs):
+            for run in run_smem:
+              run[...] = jnp.zeros((TILE_N, r), jnp.float32)
+            return pipeline(accs, 0, k_steps, fold_chunks=True)
+          steps = pl.run_scoped(scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
+          sums = tuple(run[...] for run in run_smem)
+        else:  # a pipeline (and accumulator) per chunk: the same sums, added in the same order
+          steps, sums = jnp.int32(0), [jnp.zeros((TILE_N, r), jnp.float32)] * num_w
+          for chunk in range(chunks):
+            first = chunk * chunk_steps
+            chunk_steps_run, parts = chunk_sums(first, min(chunk_steps, k_steps - first))
+            steps, sums = steps + chunk_steps_run, [s + p for s, p in zip(sums, parts)]
         if count_tile_loads:
-          count_ref[n, w] = steps
-        return tuple(acc[...] for acc in accs)
+          count_ref[count_at(w)] = steps
+        if split:
+          for i, (part, tile) in enumerate(zip(sums, part_smem)):
+            tile[...] = part  # [TILE_N, R], as the MMA made it (Mosaic GPU has no transposed f32 store)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, out_ref.at[c, i, w, pl.ds(n * TILE_N, TILE_N)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          return
+        result = _silu_mul(*sums) if fuse_silu else sums[0]
+        out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TILE_N, r)) for _ in range(num_w)])
-      result = _silu_mul(*accs) if fuse_silu else accs[0]
-      out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _visit_items(item, skip, w_items, item_programs, slots_ref if compact else None)
 
-  out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
+  if split:
+    out_types = [jax.ShapeDtypeStruct((chunks, num_w, w_items, n_out, r), jnp.float32)]
+    scratch = [plgpu.SMEM((TILE_N, r), jnp.float32) for _ in range(num_w)]
+  else:
+    out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
+    scratch = [plgpu.SMEM((TILE_N, r), jnp.float32) for _ in range(num_w)] if fold_in_step else []
+    scratch.append(plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom)))
   if count_tile_loads:
-    out_types.append(jax.ShapeDtypeStruct((n_tiles, w_items), jnp.int32))
-  scratch = [plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom))]
+    out_types.append(jax.ShapeDtypeStruct(((chunks,) if split else ()) + (n_tiles, w_items), jnp.int32))
   if smem_dequant:
     scratch += [plgpu.SMEM((TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
+  item_axis = item_programs if compact else w_items
+  grid, names = ((n_tiles, item_axis), ("n", "w")) if grid_order == "item_minor" else ((item_axis, n_tiles), ("w", "n"))
+  if split:  # a chunk's programs of one (item, tile) launch together
+    grid, names = grid + (chunks,), names + ("c",)
   kernel = plgpu.kernel(
-      body, out_type=tuple(out_types),
-      grid=(n_tiles, w_items) if grid_order == "item_minor" else (w_items, n_tiles),
-      grid_names=("n", "w") if grid_order == "item_minor" else ("w", "n"),
+      body, out_type=tuple(out_types), grid=grid, grid_names=names,
       kernel_name="moe_gate_up" if fuse_silu else "moe_down",  # named in profiles (CUPTI, ncu)
       scratch_types=scratch, interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  outs = kernel(work_expert, *((block_start,) if direct else ()), x, *flat_weights)
-  return outs if count_tile_loads else outs[0]
+  outs = kernel(work_expert, *((num_slots,) if compact else ()), *((block_start,) if direct else ()), x,
+                *flat_weights)
+  if count_tile_loads:
+    out, loads = outs
+    return out, (loads.sum(axis=0) if split else loads)
+  return outs[0]
+
+
+def _compact(w_items: int, num_slots, item_programs) -> bool:
+  if item_programs is None or item_programs >= w_items:
+    return False
+  if num_slots is None or item_programs < 1:
+    raise ValueError(f"item_programs={item_programs} needs num_slots and must be >= 1")
+  return True
+
+
+def _visit_items(item, skip, w_items: int, item_programs, slots_ref):
+  """Runs ``item(w)`` for this program's work item slots: the grid's "w" index; or, on a compact
+  grid (``slots_ref`` given), slots w = g, g + G, ... (G = ``item_programs``) below the slot count
+  ``slots_ref[0]``, and ``skip(w)`` for this program's slots past it.
+
+  Why: the work list's length is a static bound, far above the live items where few experts are
+  touched (73 slots for ~8 live items at 48 experts and T = 9). A program per slot costs every
+  dead slot a launch, and dead programs beside live ones slowed the 4-programs-an-SM INT4 form by
+  up to 14 us (``moe_dead_tail.md``). Sized by the expected items, the grid holds about the live
+  programs; a step with more items than G runs them in a second round, as a second wave would."""
+  g = lax.axis_index("w")
+  if slots_ref is None:
+    item(g)
+    return
+  slots = jnp.minimum(slots_ref[0], w_items)
+
+  def visit(i, carry):
+    w = g + i * item_programs
+    pl.when(w < slots)(lambda: item(w))
+    pl.when((w >= slots) & (w < w_items))(lambda: skip(w))
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(w_items, item_programs), visit, jnp.int32(0))
+
+
+def _fold_kernel(partials, work_expert, *, num_experts: int, fuse_silu: bool, interpret, num_slots=None,
+                 item_programs: int | None = None):
+  """Adds ``_grouped_kernel``'s chunk sums in chunk order, ((0 + c0) + c1) + ..., as its unsplit
+  programs do, then SiLU(gate) * up (or takes the one weight's sum): f32 [C, num_w, W, N, R] ->
+  bf16 [W * R, N] in the work layout; items outside [0, E) are skipped, their rows unwritten.
+  ``num_slots``, ``item_programs``: a compact grid, as ``_grouped_kernel``'s."""
+  chunks, num_w, w_items, n_out, r = partials.shape
+  if chunks * num_w * r * TILE_N * 4 + r * TILE_N * 2 > SMEM_BUDGET:
+    raise ValueError(f"split_k with block_rows={r} and {chunks} chunks does not fit shared memory; "
+                     "use fewer rows per work item or split_k=False")
+  out_atom = _swizzle_elems(n_out, TILE_N)
+  compact = _compact(w_items, num_slots, item_programs)
+
+  def body(expert_ref, *refs):
+    if compact:
+      slots_ref, *refs = refs
+    part_ref, out_ref, part_smem, out_smem, barrier = refs
+    n = lax.axis_index("n")
+
+    def item(w):
+      expert = expert_ref[w]
+
+      @pl.when((expert >= 0) & (expert < num_experts))
+      def _():
+        for c in range(chunks):  # the bulk copy engine takes at most 5 strided dimensions a copy
+          plgpu.copy_gmem_to_smem(part_ref.at[c, :, w, pl.ds(n * TILE_N, TILE_N)], part_smem.at[c], barrier)
+        plgpu.barrier_wait(barrier)
+        sums = []
+        for i in range(num_w):
+          total = jnp.zeros((TILE_N, r), jnp.float32)
+          for c in range(chunks):
+            total = total + plgpu.layout_cast(part_smem[c, i], plgpu.Layout.WGMMA)
+          sums.append(total)
+        result = _silu_mul(*sums) if fuse_silu else sums[0]
+        out_smem.T[...] = result.astype(jnp.bfloat16)  # [TILE_N, R] into [R, TILE_N], as the unsplit kernel
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    _visit_items(item, lambda w: None, w_items, item_programs, slots_ref if compact else None)
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16),
+      grid=(item_programs if compact else w_items, pl.cdiv(n_out, TILE_N)), grid_names=("w", "n"),
+      kernel_name="moe_fold",
+      scratch_types=[plgpu.SMEM((chunks, num_w, TILE_N, r), jnp.float32),
+                     plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom)),
+                     plgpu.Barrier(num_arrivals=chunks)],
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kernel(work_expert, *((num_slots,) if compact else ()), partials)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,7 +906,10 @@ def _check_inputs(x_sorted, group_sizes, experts):
 # holds enough programs to fill 4 an SM, the occupancy pays; with few programs each one's serial
 # chain is all there is. Same run (bench_moe.md): 3-8% faster at T = 17 and 136 with 384 experts
 # and at T = 136 with 48 (45+ experts touched); slower at 48 experts, T = 1 (88 vs 65 us) and
-# T = 17 (187 vs 182 us, 14 touched).
+# T = 17 (187 vs 182 us, 14 touched). The kernel alone on 9-12 live items and no dead slots, the
+# serial form is 13-21% faster (``moe_dead_tail.md``), but with the compact grid of the sorted path
+# (no dead slots in the call either) it was not: 48 experts, T = 9, 92.3 vs 89.2 us; T = 17, 134.2
+# vs 134.9 (one H200 run, 2026-11-30).
 SERIAL_PROGRAMS_PER_SM = 4
 
 
@@ -725,7 +970,7 @@ def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret,
                              count_tile_loads)
   out = outs[0] if count_tile_loads else outs
   live = ((ids >= 0) & (ids < e))[:, None]
-  y = jnp.where(live, out[position], jnp.zeros((), out.dtype)).reshape(m, k, -1)
+  y = jnp.where(live, _work_rows(out, jnp.asarray(position)), jnp.zeros((), jnp.bfloat16)).reshape(m, k, -1)
   return (y, *outs[1:]) if count_tile_loads else y
 
 
@@ -744,7 +989,7 @@ def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> Wor
 
 
 def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                 count_tile_loads, sorted_expert_ids=None, per_row=None):
+                 count_tile_loads, sorted_expert_ids=None, per_row=None, item_programs=None):
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows)
@@ -764,11 +1009,16 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
   work = _work(group_sizes, sorted_expert_ids, a, r)
   if padded_rows(a, r) > a:  # the kernel loads R-row blocks at 8-aligned starts
     x_sorted = jnp.pad(x_sorted, ((0, padded_rows(a, r) - a), (0, 0)))
+  w_items = work.expert.shape[0]
+  if item_programs is None:
+    item_programs = default_item_programs(e, a if expected_rows is None else expected_rows, w_items)
+  if not isinstance(item_programs, int) or item_programs < 1:
+    raise ValueError(f"item_programs={item_programs!r} must be a positive int (programs along the work items)")
   outs = _expert_projections(x_sorted, work.expert, work.block_start, experts, r, dequant, tiles, interpret,
-                             count_tile_loads)
+                             count_tile_loads, work.num_slots, item_programs)
   out = outs[0] if count_tile_loads else outs
   # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero.
-  y = jnp.take(out, jnp.clip(work.row_column, 0, out.shape[0] - 1), axis=0)
+  y = _work_rows(out, jnp.clip(work.row_column, 0, work.expert.shape[0] * r - 1))
   y = jnp.where(work.routed[:, None], y, jnp.zeros((), y.dtype)).astype(jnp.bfloat16)
   return (y, *outs[1:]) if count_tile_loads else y
 
@@ -776,11 +1026,11 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
 STATIC_OPTIONS = ("block_rows", "int4_dequant", "expected_rows", "tiles", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("per_row",))
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("per_row", "item_programs"))
 def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                 int4_dequant: str | None = None, expected_rows: int | None = None,
                 tiles: KernelTiles | None = None, interpret=None, sorted_expert_ids=None,
-                per_row: bool | None = None):
+                per_row: bool | None = None, item_programs: int | None = None):
   """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
 
   Args:
@@ -813,11 +1063,14 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     per_row: each row its own work item (``moe_experts_per_row``: no work list, no padded copy
       of the rows), its expert from ``sorted_expert_ids`` or else from ``group_sizes``; None
       (default): where A <= ``PER_ROW_MAX_ROWS``. The same rows bit for bit either way.
+    item_programs: the sorted path's programs along the work items (static; default
+      ``default_item_programs``): each takes item slots g, g + G, ... up to the work list's
+      ``num_slots`` (``_visit_items``). The same rows bit for bit whatever it is.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      False, sorted_expert_ids, per_row)
+                      False, sorted_expert_ids, per_row, item_programs)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
@@ -860,15 +1113,21 @@ def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, 
 
 
 def _expert_projections(x, work_expert, block_start, experts, block_rows, dequant, tiles, interpret,
-                        count_tile_loads=False):
+                        count_tile_loads=False, num_slots=None, item_programs=None):
   """gate/up then down: bf16 x [rows, H] -> bf16 [W * R, H] in the work layout (item w: expert
-  work_expert[w], rows x[block_start[w] : block_start[w] + R])."""
+  work_expert[w], rows x[block_start[w] : block_start[w] + R]), or with a split down kernel its
+  chunk sums f32 [C, 1, W, H, R] (``_work_rows`` takes rows of either). ``num_slots`` and
+  ``item_programs``: a compact grid (``_visit_items``) for all kernels."""
   tiles = tiles or default_tiles(experts)
+  compact = dict(num_slots=num_slots, item_programs=item_programs)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
-                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order)
+                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order, **compact)
   h = _grouped_kernel(x, work_expert, block_start, (experts.gate, experts.up), fuse_silu=True,
                       cfg=tiles.gate_up, **common)
   h, h_loads = h if count_tile_loads else (h, None)
+  if h.ndim == 5:  # split gate/up: its chunk sums, added and through SiLU in a small kernel
+    h = _fold_kernel(h, work_expert, num_experts=experts.down.num_experts if isinstance(experts, Int4Experts)
+                     else experts.down.shape[0], fuse_silu=True, interpret=interpret, **compact)
   out = _grouped_kernel(h, work_expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
   if count_tile_loads:
     out, out_loads = out
@@ -876,11 +1135,25 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
   return out
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
+def _work_rows(out, index):
+  """bf16 rows ``index`` (int[M], positions in the work layout [W * R]) of the down kernel's
+  result: bf16 [W * R, H], or its chunk sums f32 [C, 1, W, H, R] added in chunk order as an
+  unsplit program adds them (XLA fuses the adds into the gather: only the taken rows are read)."""
+  if out.ndim == 2:
+    return jnp.take(out, index, axis=0)
+  r = out.shape[-1]
+  item, row = index // r, index % r
+  total = out[0, 0, item, :, row]
+  for c in range(1, out.shape[0]):
+    total = total + out[c, 0, item, :, row]
+  return total.astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("item_programs",))
 def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                                 int4_dequant: str | None = None, expected_rows: int | None = None,
                                 tiles: KernelTiles | None = None, interpret=None,
-                                sorted_expert_ids=None):
+                                sorted_expert_ids=None, item_programs: int | None = None):
   """``moe_experts`` plus the weight tiles each program loaded (the structural check).
 
   Returns:
@@ -889,7 +1162,7 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
     tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      True, sorted_expert_ids)
+                      True, sorted_expert_ids, None, item_programs)
 
 
 def reference_experts(x_sorted, group_sizes, experts):

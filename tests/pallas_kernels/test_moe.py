@@ -214,6 +214,7 @@ def test_work_list_against_a_loop():
   routed = int(sizes.sum())
   assert [int(c) for c in work.row_column[:routed]] == [column[row] for row in range(routed)]
   assert list(np.asarray(work.routed)) == [row < routed for row in range(num_rows)]
+  assert int(work.num_slots[0]) == len(slots)  # the compact grid's bound: every slot past it is dead
   # The static bound holds for any routing of these rows.
   for _ in range(20):
     sizes = rng.multinomial(num_rows, rng.dirichlet(np.full(10, 0.3)))
@@ -431,10 +432,27 @@ def test_default_tiles_deepen_the_bf16_gate_up_ring_only_where_few_programs_run(
   assert moe.default_tiles(bf16(48)) == moe.BF16_TILES  # nothing expected: the tuned default
   assert moe.default_tiles(bf16(48, hidden=960), expected_rows=1) == moe.BF16_TILES  # 15 k-steps < 2 x 8
   assert moe.default_tiles(bf16(48, hidden=1024), expected_rows=1) == moe.BF16_FEW_PROGRAMS_TILES
-  assert moe.default_tiles(as_format(random_weights(1), "int4"), expected_rows=1) == moe.INT4_TILES
+  int4 = as_format(random_weights(1), "int4")
+  assert moe.default_tiles(int4) == moe.INT4_TILES
+  assert moe.default_tiles(bf16(48), expected_rows=1).gate_up.split_k is False  # bf16 never splits
   deep, tuned = moe.BF16_FEW_PROGRAMS_TILES, moe.BF16_TILES
   assert deep.gate_up.block_k == tuned.gate_up.block_k and deep.gate_up.stages > tuned.gate_up.stages
   assert deep.down == tuned.down
+
+
+def test_default_tiles_split_the_int4_gate_up_only_where_its_programs_fit_one_an_sm():
+  def int4(num_experts, hidden=7168, inter=2048):
+    def matrix(n, k):
+      return moe.KernelInt4Matrix(jax.ShapeDtypeStruct((num_experts, n, k // 8), jnp.uint32),
+                                  jax.ShapeDtypeStruct((num_experts, n, k // 32), jnp.bfloat16), k)
+    return moe.Int4Experts(matrix(inter, hidden), matrix(inter, hidden), matrix(hidden, inter))
+  # 132 SMs off the GPU, 32 gate/up tiles an expert: split up to ~4.1 expected experts.
+  for rows, split in ((1, True), (2, True), (4, True), (5, False), (9, False)):
+    tiles = moe.default_tiles(int4(48), expected_rows=rows)
+    assert tiles.gate_up == dataclasses.replace(moe.INT4_TILES.gate_up, split_k=split), rows
+    assert tiles.down == moe.INT4_TILES.down
+  assert not moe.default_tiles(int4(384), expected_rows=8).gate_up.split_k  # T = 1 on all 384: ~8 experts
+  assert moe.INT4_TILES.gate_up.chunk_k == moe.CHUNK_K  # the split's chunks are the one program's
 
 
 def check_deep_ring_gives_the_tuned_tiles_rows(experts, pair_ids, num_tokens, top_k, seed, interpret):
@@ -525,6 +543,106 @@ def test_only_touched_experts_are_read(fmt, grid_order):
     # Programs that loaded weights = touched items x output tiles (visiting all E would be 6x).
     assert (steps > 0).sum() == len(touched) * n_tiles
     assert steps.sum() == len(touched) * n_tiles * k_steps
+
+
+# Small chunks, so that the test sizes have several. bf16 (E, H, I as above): gate/up K = 224 in 4
+# steps of 64, 2 chunks of 128 (the last step half past K); down K = 96 in 2 steps of 64, 2 chunks
+# of 64. INT4 (H = 544, I = 288: K padded to 768 and 512): gate/up 3 steps of 256 in 2 chunks of
+# 512 (the second chunk's second step wholly past K), down 2 steps in 2 chunks of 256.
+INT4_CHUNK_DIMS = dict(num_experts=4, hidden=544, inter=288)
+
+
+def chunked_tiles(fmt, split_gate_up=False, split_down=False):
+  T = moe.TileConfig
+  if fmt == "bf16":
+    return moe.KernelTiles(T(64, 2, chunk_k=128, split_k=split_gate_up), T(64, 2, chunk_k=64, split_k=split_down))
+  return moe.KernelTiles(T(256, 2, chunk_k=512, split_k=split_gate_up), T(256, 2, chunk_k=256, split_k=split_down))
+
+
+def chunk_case(fmt, seed):
+  """(x_sorted, group_sizes, experts, per-pair ids) with 5 tokens of top-2 and 2 padded ones."""
+  rng = np.random.default_rng(seed)
+  dims = dict(num_experts=E, hidden=H, inter=I) if fmt == "bf16" else INT4_CHUNK_DIMS
+  order, sizes = routing(rng, 5, 2, dims["num_experts"], num_padded=2)
+  x = sorted_rows(rng, order, sizes, dims["hidden"])
+  experts = as_format(random_weights(seed, **dims), fmt)
+  return x, sizes, experts, dims
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_split_chunks_give_the_one_program_rows_bit_for_bit(fmt):
+  """Each chunk of K its own program (float32 chunk sums added by ``_fold_kernel`` for gate/up, in
+  the take for down) gives the same rows bit for bit as one program adding the same chunks: for
+  the sorted list (also on a compact grid) and per-pair items; the same tile loads; close to the
+  reference, as is K in one sum (a different rounding)."""
+  x, sizes, experts, dims = chunk_case(fmt, seed=51)
+  g = jnp.asarray(sizes)
+  one = moe.moe_experts(x, g, experts, tiles=chunked_tiles(fmt), per_row=False, interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(one, np.float32)[int(sizes.sum()):], 0)
+  assert_close(one, reference(x, sizes, experts), int(sizes.sum()))
+  unchunked_tiles = dataclasses.replace(chunked_tiles(fmt), gate_up=dataclasses.replace(
+      chunked_tiles(fmt).gate_up, chunk_k=None), down=dataclasses.replace(chunked_tiles(fmt).down, chunk_k=None))
+  unchunked = moe.moe_experts(x, g, experts, tiles=unchunked_tiles, per_row=False, interpret=INTERPRET)
+  assert_close(unchunked, reference(x, sizes, experts), int(sizes.sum()))
+  _, want_gate_up, want_down = moe.moe_experts_with_tile_loads(x, g, experts, tiles=chunked_tiles(fmt),
+                                                               interpret=INTERPRET)
+  for split in ((True, False), (False, True), (True, True)):
+    tiles = chunked_tiles(fmt, *split)
+    jaxpr = str(jax.make_jaxpr(lambda x, g, ex: moe.moe_experts(x, g, ex, tiles=tiles, per_row=False,
+                                                                interpret=INTERPRET))(x, g, experts))
+    assert ("moe_fold" in jaxpr) == split[0]  # the split really ran (its chunk sums need the fold)
+    for item_programs in (None, 2):
+      y, gate_up, down = moe.moe_experts_with_tile_loads(x, g, experts, tiles=tiles, interpret=INTERPRET,
+                                                         item_programs=item_programs)
+      np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(one, np.float32), err_msg=f"{split}")
+      np.testing.assert_array_equal(np.asarray(gate_up), np.asarray(want_gate_up))
+      np.testing.assert_array_equal(np.asarray(down), np.asarray(want_down))
+  # Per-pair items: one token's 4 pairs, one of them routed elsewhere (id E).
+  tokens = x[:1]
+  ids = jnp.asarray([[0, dims["num_experts"], 2, 3]], jnp.int32)
+  pairs = [moe.moe_experts_per_row(tokens, ids, experts, tiles=chunked_tiles(fmt, *split), interpret=INTERPRET)
+           for split in ((False, False), (True, True))]
+  np.testing.assert_array_equal(np.asarray(pairs[0], np.float32), np.asarray(pairs[1], np.float32))
+  assert (np.asarray(pairs[0], np.float32)[0, 1] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_compact_item_grid_gives_the_same_rows_and_tile_loads(fmt):
+  """G programs along the items, each taking slots g, g + G, ... below the list's slot count: the
+  same rows bit for bit and the same loads per (tile, item slot) as a program per slot, for G = 1
+  (every item in one program's loop), 2 and 3; the routing leaves a spare slot and a dead tail."""
+  rng = np.random.default_rng(53)
+  order, sizes = routing(rng, 14, 2, E, allowed=(0, 2, 3, 5), num_padded=3)
+  x = sorted_rows(rng, order, sizes, H)
+  experts = as_format(random_weights(53), fmt)
+  g = jnp.asarray(sizes)
+  work = moe.work_list(g, len(order), 16)
+  slots = int(work.num_slots[0])
+  assert 0 < slots < len(work.expert) and (np.asarray(work.expert)[slots:] == -1).all()
+  want = moe.moe_experts_with_tile_loads(x, g, experts, block_rows=16, interpret=INTERPRET, item_programs=10**6)
+  assert_close(want[0], reference(x, sizes, experts), int(sizes.sum()))
+  for item_programs in (1, 2, 3):
+    got = moe.moe_experts_with_tile_loads(x, g, experts, block_rows=16, interpret=INTERPRET,
+                                          item_programs=item_programs)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_chunk_options_are_checked():
+  with pytest.raises(ValueError, match="split_k needs chunk_k"):
+    moe.TileConfig(64, 4, split_k=True)
+  with pytest.raises(ValueError, match="divide chunk_k"):
+    moe.TileConfig(64, 4, chunk_k=96)
+  x, sizes, experts, _ = chunk_case("bf16", seed=57)
+  with pytest.raises(ValueError, match="item_programs"):
+    moe.moe_experts(x, jnp.asarray(sizes), experts, per_row=False, item_programs=0, interpret=INTERPRET)
+
+
+def test_default_item_programs_follow_the_expected_experts():
+  assert moe.default_item_programs(48, 9, 73) == 17  # the EP share at T = 9: ~8.2 experts
+  assert moe.default_item_programs(48, 1, 55) == moe.ITEM_PROGRAMS_MIN
+  assert moe.default_item_programs(48, 1, 5) == 5  # never more than the slots
+  assert moe.default_item_programs(384, 1088, 620) == 620  # T = 136: ~363 experts, no compaction
 
 
 def numpy_unpack_compressed(packed, scale):
@@ -772,6 +890,39 @@ def test_gpu_deep_bf16_ring_gives_the_tuned_tiles_rows_at_kimi_widths(gpu):
   experts = random_weights(41, num_experts=e, hidden=7168, inter=2048, scale=0.02)
   check_deep_ring_gives_the_tuned_tiles_rows(experts, [3, e, 17, e, e, 40, e, e], num_tokens=2, top_k=8, seed=41,
                                              interpret=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant", FORMATS)
+def test_gpu_split_and_compact_grids_give_the_same_rows_at_kimi_widths(gpu, fmt, dequant):
+  """On the real kernels at K2.6's H and I (16 experts: the numpy INT4 reference of 48 takes
+  minutes): the split gate/up (and, for bf16 with chunks, the split down) gives the rows of one
+  program per tile bit for bit, for one token's per-pair items (3 of its 8 experts held here) and
+  for the sorted list of 2 tokens on the compact grid; the compact grid at 9 tokens gives the
+  full grid's rows; all close to the reference."""
+  e = 16
+  experts = as_format(random_weights(61, num_experts=e, hidden=7168, inter=2048, scale=0.02), fmt)
+  if fmt == "int4":
+    one, split = moe.INT4_TILES, moe.default_tiles(experts, expected_rows=1)
+    assert split.gate_up.split_k and not one.gate_up.split_k
+  else:  # bf16 takes one sum by default; its chunked and split forms are options
+    chunked = moe.TileConfig(64, 4, chunk_k=moe.CHUNK_K), moe.TileConfig(128, 4, chunk_k=moe.CHUNK_K)
+    one = moe.KernelTiles(*chunked)
+    split = moe.KernelTiles(*(dataclasses.replace(c, split_k=True) for c in chunked))
+  rng = np.random.default_rng(61)
+  tokens = jnp.asarray(rng.standard_normal((1, 7168)), jnp.bfloat16)
+  ids = jnp.asarray([[3, e, 7, e, e, 12, e, e]], jnp.int32)
+  pairs = [moe.moe_experts_per_row(tokens, ids, experts, tiles=t, int4_dequant=dequant) for t in (one, split)]
+  np.testing.assert_array_equal(np.asarray(pairs[0], np.float32), np.asarray(pairs[1], np.float32))
+  for num_tokens, tiles in ((2, split), (9, one)):
+    order, sizes = routing(rng, num_tokens, 8, e)
+    x = sorted_rows(rng, order, sizes, 7168)
+    g = jnp.asarray(sizes)
+    full = moe.moe_experts(x, g, experts, tiles=one, int4_dequant=dequant, item_programs=10**6)
+    got = moe.moe_experts(x, g, experts, tiles=tiles, int4_dequant=dequant, expected_rows=num_tokens,
+                          item_programs=8)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(full, np.float32))
+    assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
 
 
 @pytest.mark.gpu

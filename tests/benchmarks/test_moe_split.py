@@ -1,0 +1,54 @@
+"""``benchmarks/moe_split.py``: its variants are the configurations they name, its table puts each
+measurement in its row, and it refuses to run off the GPU."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import moe
+from tests.benchmarks import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def split():
+  return load_benchmark("moe_split")
+
+
+def int4_share():
+  def matrix(n, k):
+    return moe.KernelInt4Matrix(jax.ShapeDtypeStruct((48, n, k // 8), jnp.uint32),
+                                jax.ShapeDtypeStruct((48, n, k // 32), jnp.bfloat16), k)
+  return moe.Int4Experts(matrix(2048, 7168), matrix(2048, 7168), matrix(7168, 2048))
+
+
+def test_variants_are_the_configurations_they_name(split):
+  default = moe.default_tiles(int4_share(), expected_rows=1)  # the share at T = 1: gate/up split
+  assert default.gate_up.split_k
+  int4 = split.variants("int4")
+  assert list(int4) == ["default", "no split", "full grid", "one sum, full grid"]
+  adjust, item_programs = int4["no split"]
+  assert item_programs is None and not adjust(default).gate_up.split_k
+  assert adjust(default).gate_up.chunk_k == moe.CHUNK_K  # the same chunks: the same rows
+  adjust, item_programs = int4["one sum, full grid"]
+  assert item_programs == split.FULL_GRID and adjust(default).gate_up.chunk_k is None
+  assert adjust(default).gate_up.block_k == default.gate_up.block_k
+  assert "one sum, full grid" not in split.variants("bf16")
+
+
+def test_markdown_rows(split):
+  rows = [dict(experts=48, tokens=1, format="int4", touched=0.8, variant="default", gpu_us=19.0, vs_default=1.0,
+               kernels={"moe_gate_up_mosaic_gpu_kernel": 8.8, "moe_fold_mosaic_gpu_kernel": 2.0}, rows="-"),
+          dict(experts=48, tokens=1, format="int4", touched=0.8, variant="one sum, full grid", gpu_us=23.0,
+               vs_default=23 / 19, kernels={"moe_gate_up_mosaic_gpu_kernel": 14.1}, rows="rel L2 1.0e-03")]
+  text = split.markdown(dict(device="NVIDIA H200", jax="0.11.2", command="cmd", seconds=1.0, rows=rows))
+  lines = text.splitlines()
+  assert "| 48 | 1 | int4 | 0.8 | default | 19.0 | 1.00x | moe_gate_up 8.8, moe_fold 2.0 | - |" in lines
+  assert "| 48 | 1 | int4 | 0.8 | one sum, full grid | 23.0 | 1.21x | moe_gate_up 14.1 | rel L2 1.0e-03 |" in lines
+
+
+def test_refuses_to_run_off_the_gpu(split, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["moe_split.py"])
+  with pytest.raises(SystemExit, match="GPU"):
+    split.main()
