@@ -1158,8 +1158,9 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
 
   Returns:
     (y [A, H], gate_up_steps int32 [ceil(I / 64), W], down_steps int32 [ceil(H / 64), W]): the
-    pipeline steps each (output tile, work item) program ran, each loading one [64, block_k]
-    tile of every weight of its kernel (gate and up, or down); 0 where the program skipped.
+    pipeline steps inside K run for each (output tile, item slot), each loading one [64, block_k]
+    tile of every weight of its kernel (gate and up, or down), summed over a split's chunk
+    programs; 0 where the slot was skipped (its expert -1 or outside [0, E), or past the slots).
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
                       True, sorted_expert_ids, None, item_programs)

@@ -560,7 +560,7 @@ def chunked_tiles(fmt, split_gate_up=False, split_down=False):
 
 
 def chunk_case(fmt, seed):
-  """(x_sorted, group_sizes, experts, per-pair ids) with 5 tokens of top-2 and 2 padded ones."""
+  """(x_sorted, group_sizes, experts, their dims): 5 tokens of top-2 and 2 padded ones."""
   rng = np.random.default_rng(seed)
   dims = dict(num_experts=E, hidden=H, inter=I) if fmt == "bf16" else INT4_CHUNK_DIMS
   order, sizes = routing(rng, 5, 2, dims["num_experts"], num_padded=2)
@@ -619,6 +619,7 @@ def test_compact_item_grid_gives_the_same_rows_and_tile_loads(fmt):
   work = moe.work_list(g, len(order), 16)
   slots = int(work.num_slots[0])
   assert 0 < slots < len(work.expert) and (np.asarray(work.expert)[slots:] == -1).all()
+  assert (np.asarray(work.expert)[:slots] == -1).any()  # a spare slot inside the visited ones
   want = moe.moe_experts_with_tile_loads(x, g, experts, block_rows=16, interpret=INTERPRET, item_programs=10**6)
   assert_close(want[0], reference(x, sizes, experts), int(sizes.sum()))
   for item_programs in (1, 2, 3):
@@ -855,6 +856,32 @@ def test_one_token_block_lowers_for_the_gpu_without_a_sort(monkeypatch):
   one, two = lowered(1), lowered(2)
   assert "mosaic_gpu" in one and "stablehlo.sort" not in one and "stablehlo.scatter" not in one
   assert "stablehlo.sort" in two
+
+
+@pytest.mark.parametrize("dequant", ["registers", "registers_serial"])
+def test_chunked_split_and_compact_forms_lower_for_the_gpu(dequant):
+  """Lowered for cuda (no GPU needed) at K2.6's widths, the GPU-only forms interpret mode does not
+  run: INT4's chunk sums added inside the pipeline (in both register forms), its split gate/up
+  with the fold kernel, each on the compact grid; bf16's chunks and split as options."""
+  e = 16
+  x = jax.ShapeDtypeStruct((16, 7168), jnp.bfloat16)
+  g = jax.ShapeDtypeStruct((e,), jnp.int32)
+
+  def matrix(n, k):
+    return moe.KernelInt4Matrix(jax.ShapeDtypeStruct((e, n, k // 8), jnp.uint32),
+                                jax.ShapeDtypeStruct((e, n, k // 32), jnp.bfloat16), k)
+  int4 = moe.Int4Experts(matrix(2048, 7168), matrix(2048, 7168), matrix(7168, 2048))
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  bf16 = moe.Bf16Experts(shape(e, 7168, 2048), shape(e, 7168, 2048), shape(e, 2048, 7168))
+  chunked = moe.TileConfig(64, 4, chunk_k=moe.CHUNK_K), moe.TileConfig(128, 4, chunk_k=moe.CHUNK_K)
+  cases = [(int4, dict(int4_dequant=dequant, expected_rows=1), True),  # split gate/up
+           (int4, dict(int4_dequant=dequant, tiles=moe.INT4_TILES), False),  # chunks in the pipeline
+           (bf16, dict(tiles=moe.KernelTiles(*chunked)), False),
+           (bf16, dict(tiles=moe.KernelTiles(*(dataclasses.replace(c, split_k=True) for c in chunked))), True)]
+  for experts, options, split in cases:
+    call = jax.jit(lambda x, g, w: moe.moe_experts(x, g, w, per_row=False, item_programs=4, **options))
+    text = call.trace(x, g, experts).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_gate_up" in text and "moe_down" in text and ("moe_fold" in text) == split
 
 
 # ---------------------------------------------------------------------------------------------
