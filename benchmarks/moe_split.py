@@ -16,7 +16,9 @@ from CUPTI, every variant of a cell timed in the same run:
 
 Rows are checked against the default's for the first routing: bit for bit where only the split
 or the grid differ (the chunks' sums are added in one order either way), by relative L2 where
-the sums over K differ. Writes ``moe_split.json`` and ``moe_split.md``.
+the sums over K differ. Writes ``moe_split.json`` and ``moe_split.md``; all cells take about 8
+minutes (mostly compilation), so under a 10-minute limit time them in parts (``--cells``,
+``--formats``) with ``--merge``, which keeps the rows of cells this run does not time.
 """
 
 import argparse
@@ -47,10 +49,10 @@ def variants(fmt: str) -> dict:
   def one_sum(tiles):
     return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, split_k=False, chunk_k=None),
                                down=dataclasses.replace(tiles.down, split_k=False, chunk_k=None))
-  out = {"default": (lambda t: t, None), "no split": (no_split, None), "full grid": (lambda t: t, FULL_GRID)}
-  if fmt == "int4":  # bf16 takes one sum already: its full grid is its previous kernel
-    out["one sum, full grid"] = (one_sum, FULL_GRID)
-  return out
+  if fmt == "bf16":  # one sum and no split already: its full grid is its previous kernel
+    return {"default": (lambda t: t, None), "full grid": (lambda t: t, FULL_GRID)}
+  return {"default": (lambda t: t, None), "no split": (no_split, None), "full grid": (lambda t: t, FULL_GRID),
+          "one sum, full grid": (one_sum, FULL_GRID)}
 
 
 def layer(adjust, item_programs):
@@ -59,6 +61,14 @@ def layer(adjust, item_programs):
     return moe.moe_experts(x, g, w, expected_rows=rows, tiles=adjust(moe.default_tiles(w, rows)),
                            item_programs=item_programs)
   return call
+
+
+def merge_rows(earlier: list, new: list) -> list:
+  """``new`` plus the rows of ``earlier`` whose (experts, tokens, format) cell ``new`` lacks, in
+  format, experts and tokens order."""
+  cell = lambda row: (row["format"], row["experts"], row["tokens"])
+  timed = {cell(row) for row in new}
+  return sorted([row for row in earlier if cell(row) not in timed] + new, key=cell)
 
 
 def markdown(result: dict) -> str:
@@ -81,6 +91,7 @@ def main():
   parser.add_argument("--cells", nargs="+", default=[f"{e}:{t}" for e, t in CELLS],
                       help="experts:tokens pairs, e.g. 48:1 384:136")
   parser.add_argument("--formats", nargs="+", default=["int4", "bf16"], choices=["int4", "bf16"])
+  parser.add_argument("--merge", action="store_true", help="keep the rows of --out's moe_split.json for other cells")
   args = parser.parse_args()
   if jax.default_backend() != "gpu":
     sys.exit("moe_split.py times the Mosaic GPU kernels: run it on the GPU")
@@ -113,8 +124,12 @@ def main():
                               vs_default=us / base[1], kernels=kernels, rows=check))
         print(f"E={e} T={t} {fmt} {name}: {us:.1f} us ({cell_rows[-1]['vs_default']:.2f}x) {check}", flush=True)
       rows += cell_rows
+  command = "PYTHONPATH=. python3 " + " ".join(sys.argv)
+  if args.merge and (args.out / "moe_split.json").exists():
+    earlier = json.loads((args.out / "moe_split.json").read_text())
+    rows, command = merge_rows(earlier["rows"], rows), f"{earlier['command']}; then {command}"
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
-                command="PYTHONPATH=. python3 " + " ".join(sys.argv), seconds=time.perf_counter() - start, rows=rows)
+                command=command, seconds=time.perf_counter() - start, rows=rows)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "moe_split.json").write_text(json.dumps(result, indent=1))
   (args.out / "moe_split.md").write_text(markdown(result))

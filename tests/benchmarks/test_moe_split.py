@@ -34,7 +34,16 @@ def test_variants_are_the_configurations_they_name(split):
   adjust, item_programs = int4["one sum, full grid"]
   assert item_programs == split.FULL_GRID and adjust(default).gate_up.chunk_k is None
   assert adjust(default).gate_up.block_k == default.gate_up.block_k
-  assert "one sum, full grid" not in split.variants("bf16")
+  assert list(split.variants("bf16")) == ["default", "full grid"]
+
+
+def test_merge_keeps_other_cells_and_replaces_timed_ones(split):
+  def row(fmt, e, t, us):
+    return dict(format=fmt, experts=e, tokens=t, variant="default", gpu_us=us)
+  earlier = [row("int4", 48, 1, 20.0), row("int4", 48, 9, 90.0), row("bf16", 48, 1, 30.0)]
+  merged = split.merge_rows(earlier, [row("int4", 48, 9, 88.0), row("int4", 384, 1, 70.0)])
+  assert [(r["format"], r["experts"], r["tokens"], r["gpu_us"]) for r in merged] == [
+      ("bf16", 48, 1, 30.0), ("int4", 48, 1, 20.0), ("int4", 48, 9, 88.0), ("int4", 384, 1, 70.0)]
 
 
 def test_markdown_rows(split):
