@@ -645,10 +645,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       expert = expert_ref[w]
       live = (expert >= 0) & (expert < num_experts)
 
-      if count_tile_loads:
-        @pl.when(~live)
-        def _():
-          count_ref[count_at(w)] = jnp.int32(0)
+      pl.when(~live)(lambda: skip(w))
 
       @pl.when(live)
       def _():
@@ -952,6 +949,10 @@ def _row_experts(group_sizes, num_rows: int):
   return jnp.sum(row_end[None, :] <= rows[:, None], axis=1, dtype=jnp.int32)
 
 
+def _num_experts(experts) -> int:
+  return (experts.gate.words if isinstance(experts.gate, KernelInt4Matrix) else experts.gate).shape[0]
+
+
 def _check_row_ids(sorted_expert_ids, num_rows: int):
   if (sorted_expert_ids.shape != (num_rows,)
       or not jnp.issubdtype(sorted_expert_ids.dtype, jnp.integer)):
@@ -963,7 +964,7 @@ def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret,
   """Per-pair items (``PER_ROW_MAX_ROWS``): bf16 tokens [M, H], int expert_ids [M, K] ->
   bf16 [M, K, H], zero where the id is outside [0, E)."""
   m, k = expert_ids.shape
-  e = (experts.gate.words if isinstance(experts.gate, KernelInt4Matrix) else experts.gate).shape[0]
+  e = _num_experts(experts)
   block_start, position = per_row_layout(m, k, block_rows)
   ids = expert_ids.reshape(-1).astype(jnp.int32)
   outs = _expert_projections(tokens, ids, jnp.asarray(block_start), experts, block_rows, dequant, tiles, interpret,
@@ -1018,7 +1019,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
                              count_tile_loads, work.num_slots, item_programs)
   out = outs[0] if count_tile_loads else outs
   # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero.
-  y = _work_rows(out, jnp.clip(work.row_column, 0, work.expert.shape[0] * r - 1))
+  y = _work_rows(out, jnp.clip(work.row_column, 0, w_items * r - 1))
   y = jnp.where(work.routed[:, None], y, jnp.zeros((), y.dtype)).astype(jnp.bfloat16)
   return (y, *outs[1:]) if count_tile_loads else y
 
@@ -1126,8 +1127,8 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
                       cfg=tiles.gate_up, **common)
   h, h_loads = h if count_tile_loads else (h, None)
   if h.ndim == 5:  # split gate/up: its chunk sums, added and through SiLU in a small kernel
-    h = _fold_kernel(h, work_expert, num_experts=experts.down.num_experts if isinstance(experts, Int4Experts)
-                     else experts.down.shape[0], fuse_silu=True, interpret=interpret, **compact)
+    h = _fold_kernel(h, work_expert, num_experts=_num_experts(experts), fuse_silu=True, interpret=interpret,
+                     **compact)
   out = _grouped_kernel(h, work_expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
   if count_tile_loads:
     out, out_loads = out
