@@ -10,13 +10,15 @@ from CUPTI, every variant of a cell timed in the same run:
   INT4's gate/up sums K in chunks of ``moe.CHUNK_K`` and splits them into programs where its
   programs fit one an SM; the sorted path runs on the compact grid (``moe.default_item_programs``).
 * ``no split``: the default without the split (the chunks summed by one program).
+* ``split``: the default with the gate/up split wherever it has more than one chunk (where the
+  default does not split: do more, shorter programs even out the waves of a step's programs?).
 * ``full grid``: the default with a program per item slot (``item_programs`` past the slots).
 * ``one sum, full grid`` (INT4): K in one sum (``chunk_k=None``), no split, a program per item
   slot: the kernel as it was before the chunks and the compact grid, its numerics included.
 
 Rows are checked against the default's for the first routing: bit for bit where only the split
 or the grid differ (the chunks' sums are added in one order either way), by relative L2 where
-the sums over K differ. Writes ``moe_split.json`` and ``moe_split.md``; all cells take about 8
+the sums over K differ. Writes ``moe_split.json`` and ``moe_split.md`` (``--name``); all cells take about 8
 minutes (mostly compilation), so under a 10-minute limit time them in parts (``--cells``,
 ``--formats``) with ``--merge``, which keeps the rows of cells this run does not time.
 """
@@ -46,13 +48,16 @@ def variants(fmt: str) -> dict:
     return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, split_k=False),
                                down=dataclasses.replace(tiles.down, split_k=False))
 
+  def split(tiles):
+    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, split_k=True))
+
   def one_sum(tiles):
     return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, split_k=False, chunk_k=None),
                                down=dataclasses.replace(tiles.down, split_k=False, chunk_k=None))
   if fmt == "bf16":  # one sum and no split already: its full grid is its previous kernel
     return {"default": (lambda t: t, None), "full grid": (lambda t: t, FULL_GRID)}
-  return {"default": (lambda t: t, None), "no split": (no_split, None), "full grid": (lambda t: t, FULL_GRID),
-          "one sum, full grid": (one_sum, FULL_GRID)}
+  return {"default": (lambda t: t, None), "no split": (no_split, None), "split": (split, None),
+          "full grid": (lambda t: t, FULL_GRID), "one sum, full grid": (one_sum, FULL_GRID)}
 
 
 def layer(adjust, item_programs):
@@ -91,7 +96,9 @@ def main():
   parser.add_argument("--cells", nargs="+", default=[f"{e}:{t}" for e, t in CELLS],
                       help="experts:tokens pairs, e.g. 48:1 384:136")
   parser.add_argument("--formats", nargs="+", default=["int4", "bf16"], choices=["int4", "bf16"])
-  parser.add_argument("--merge", action="store_true", help="keep the rows of --out's moe_split.json for other cells")
+  parser.add_argument("--variants", nargs="+", help="time only these variants (the default always: the others' baseline)")
+  parser.add_argument("--name", default="moe_split", help="the results' file name (NAME.json, NAME.md)")
+  parser.add_argument("--merge", action="store_true", help="keep the rows of --out's NAME.json for other cells")
   args = parser.parse_args()
   if jax.default_backend() != "gpu":
     sys.exit("moe_split.py times the Mosaic GPU kernels: run it on the GPU")
@@ -110,6 +117,8 @@ def main():
       touched = float(np.mean([r[2] for r in routings]))
       cell_rows, base = [], None
       for name, (adjust, item_programs) in variants(fmt).items():
+        if args.variants and name != "default" and name not in args.variants:
+          continue
         fn = layer(adjust, item_programs)
         us, kinds = bench.device_in_step(bench.in_step(fn), calls, w)
         y = np.asarray(jax.jit(fn)(*calls[0], w).astype(jnp.float32))
@@ -125,14 +134,15 @@ def main():
         print(f"E={e} T={t} {fmt} {name}: {us:.1f} us ({cell_rows[-1]['vs_default']:.2f}x) {check}", flush=True)
       rows += cell_rows
   command = "PYTHONPATH=. python3 " + " ".join(sys.argv)
-  if args.merge and (args.out / "moe_split.json").exists():
-    earlier = json.loads((args.out / "moe_split.json").read_text())
+  json_path, md_path = args.out / f"{args.name}.json", args.out / f"{args.name}.md"
+  if args.merge and json_path.exists():
+    earlier = json.loads(json_path.read_text())
     rows, command = merge_rows(earlier["rows"], rows), f"{earlier['command']}; then {command}"
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
                 command=command, seconds=time.perf_counter() - start, rows=rows)
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "moe_split.json").write_text(json.dumps(result, indent=1))
-  (args.out / "moe_split.md").write_text(markdown(result))
+  json_path.write_text(json.dumps(result, indent=1))
+  md_path.write_text(markdown(result))
 
 
 if __name__ == "__main__":

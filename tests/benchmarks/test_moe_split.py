@@ -27,10 +27,15 @@ def test_variants_are_the_configurations_they_name(split):
   default = moe.default_tiles(int4_share(), expected_rows=1)  # the share at T = 1: gate/up split
   assert default.gate_up.split_k
   int4 = split.variants("int4")
-  assert list(int4) == ["default", "no split", "full grid", "one sum, full grid"]
+  assert list(int4) == ["default", "no split", "split", "full grid", "one sum, full grid"]
   adjust, item_programs = int4["no split"]
   assert item_programs is None and not adjust(default).gate_up.split_k
   assert adjust(default).gate_up.chunk_k == moe.CHUNK_K  # the same chunks: the same rows
+  nine = moe.default_tiles(int4_share(), expected_rows=9)  # T = 9: 8.6 experts x 32 tiles > 132 SMs
+  assert not nine.gate_up.split_k
+  adjust, item_programs = int4["split"]
+  assert item_programs is None and adjust(nine).gate_up.split_k and adjust(nine).gate_up.chunk_k == moe.CHUNK_K
+  assert not adjust(nine).down.split_k
   adjust, item_programs = int4["one sum, full grid"]
   assert item_programs == split.FULL_GRID and adjust(default).gate_up.chunk_k is None
   assert adjust(default).gate_up.block_k == default.gate_up.block_k

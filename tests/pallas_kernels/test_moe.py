@@ -67,14 +67,15 @@ def numpy_unpack_kernel_layout(m: moe.KernelInt4Matrix):
   """(q int32 [E, N, K], scale float32 [E, N, K / 32]) of the kernel layout, by a plain loop over
   its documented bit positions: word 32 b + 8 t + i, bit 16 h + 4 j holds feature
   256 b + 32 i + 8 j + 2 t + h as the nibble q + 8."""
-  words = np.asarray(m.words).astype(np.int64)
-  e, n, num_words = words.shape
-  q = np.zeros((e, n, num_words * 8), np.int32)
+  words = np.moveaxis(np.asarray(m.words).astype(np.int64), 2, 0)  # [words, E, N]: contiguous writes
+  num_words, e, n = words.shape
+  q = np.zeros((num_words * 8, e, n), np.int32)
   for word in range(num_words):
     b, t, i = word // 32, (word % 32) // 8, word % 8
     for h in range(2):
       for j in range(4):
-        q[:, :, 256 * b + 32 * i + 8 * j + 2 * t + h] = ((words[:, :, word] >> (16 * h + 4 * j)) & 0xF) - 8
+        q[256 * b + 32 * i + 8 * j + 2 * t + h] = ((words[word] >> (16 * h + 4 * j)) & 0xF) - 8
+  q = np.moveaxis(q, 0, 2)
   k = m.in_features
   assert (q[:, :, k:] == 0).all(), "padding past K must be zero weights"
   return q[:, :, :k], np.asarray(m.scale.astype(jnp.float32))[:, :, :k // moe.GROUP_SIZE]
