@@ -100,6 +100,9 @@ def main():
   parser.add_argument("--name", default="moe_split", help="the results' file name (NAME.json, NAME.md)")
   parser.add_argument("--merge", action="store_true", help="keep the rows of --out's NAME.json for other cells")
   args = parser.parse_args()
+  known = {name for fmt in args.formats for name in variants(fmt)}
+  if args.variants and set(args.variants) - known:
+    parser.error(f"--variants {sorted(set(args.variants) - known)}: not variants of {args.formats}; known: {sorted(known)}")
   if jax.default_backend() != "gpu":
     sys.exit("moe_split.py times the Mosaic GPU kernels: run it on the GPU")
   start = time.perf_counter()

@@ -66,3 +66,10 @@ def test_refuses_to_run_off_the_gpu(split, monkeypatch):
   monkeypatch.setattr(sys, "argv", ["moe_split.py"])
   with pytest.raises(SystemExit, match="GPU"):
     split.main()
+
+
+def test_unknown_variant_is_refused_by_name(split, monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["moe_split.py", "--formats", "bf16", "--variants", "split"])
+  with pytest.raises(SystemExit):
+    split.main()
+  assert "['split']: not variants of ['bf16']" in capsys.readouterr().err
