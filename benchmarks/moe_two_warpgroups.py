@@ -40,6 +40,7 @@ ROWS = 16
 BLOCK_K = 256
 ITEMS = (1, 4, 8, 9, 12, 16, 32, 64)
 STAGES = (2, 4, 8)
+MAX_STAGES = 8  # 8 x 26.6 KiB of tiles (two weights' words and scales, the x tile) fit shared memory
 MEMORY_REGISTERS = 40  # the memory warpgroup only issues copies
 
 
@@ -146,6 +147,8 @@ def main():
   parser.add_argument("--items", type=int, nargs="+", default=list(ITEMS))
   parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES))
   args = parser.parse_args()
+  if any(not 2 <= s <= MAX_STAGES for s in args.stages) or any(n < 1 for n in args.items):
+    parser.error(f"--stages must be in [2, {MAX_STAGES}] (the ring's shared memory) and --items >= 1")
   if jax.default_backend() != "gpu":
     sys.exit("moe_two_warpgroups.py times Mosaic GPU kernels: run it on the GPU")
   start = time.perf_counter()

@@ -45,3 +45,10 @@ def test_refuses_to_run_off_the_gpu(two_wg, monkeypatch):
   monkeypatch.setattr(sys, "argv", ["moe_two_warpgroups.py"])
   with pytest.raises(SystemExit, match="GPU"):
     two_wg.main()
+
+
+def test_bad_stages_are_refused_by_name(two_wg, monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["moe_two_warpgroups.py", "--stages", "1"])
+  with pytest.raises(SystemExit):
+    two_wg.main()
+  assert "--stages must be in [2, 8]" in capsys.readouterr().err
