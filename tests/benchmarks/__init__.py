@@ -18,3 +18,9 @@ def load_benchmark(name: str):
   finally:
     sys.path.remove(str(BENCHMARKS))
   return module
+
+
+def run_main(monkeypatch, module, *args):
+  """``module.main()`` under the command line ``<module>.py *args``."""
+  monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *args])
+  module.main()

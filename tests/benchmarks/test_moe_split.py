@@ -1,14 +1,13 @@
 """``benchmarks/moe_split.py``: its variants are the configurations they name, its table puts each
 measurement in its row, and it refuses to run off the GPU."""
 
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import moe
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, run_main
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +62,11 @@ def test_markdown_rows(split):
 
 
 def test_refuses_to_run_off_the_gpu(split, monkeypatch):
-  monkeypatch.setattr(sys, "argv", ["moe_split.py"])
   with pytest.raises(SystemExit, match="GPU"):
-    split.main()
+    run_main(monkeypatch, split)
 
 
 def test_unknown_variant_is_refused_by_name(split, monkeypatch, capsys):
-  monkeypatch.setattr(sys, "argv", ["moe_split.py", "--formats", "bf16", "--variants", "split"])
   with pytest.raises(SystemExit):
-    split.main()
+    run_main(monkeypatch, split, "--formats", "bf16", "--variants", "split")
   assert "['split']: not variants of ['bf16']" in capsys.readouterr().err

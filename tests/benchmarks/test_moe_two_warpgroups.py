@@ -1,14 +1,13 @@
 """``benchmarks/moe_two_warpgroups.py``: its kernel lowers for the GPU at K2.6's widths, its table
 puts each time in its cell, and it refuses to run off the GPU."""
 
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import moe
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, run_main
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +41,11 @@ def test_markdown_cells(two_wg):
 
 
 def test_refuses_to_run_off_the_gpu(two_wg, monkeypatch):
-  monkeypatch.setattr(sys, "argv", ["moe_two_warpgroups.py"])
   with pytest.raises(SystemExit, match="GPU"):
-    two_wg.main()
+    run_main(monkeypatch, two_wg)
 
 
 def test_bad_stages_are_refused_by_name(two_wg, monkeypatch, capsys):
-  monkeypatch.setattr(sys, "argv", ["moe_two_warpgroups.py", "--stages", "1"])
   with pytest.raises(SystemExit):
-    two_wg.main()
+    run_main(monkeypatch, two_wg, "--stages", "1")
   assert "--stages must be in [2, 8]" in capsys.readouterr().err

@@ -1,11 +1,9 @@
 """``benchmarks/moe_waves.py``: its tables put every measurement in its variant's row, in item order;
 ``moe_dead_tail.py`` refuses to run off the GPU."""
 
-import sys
-
 import pytest
 
-from tests.benchmarks import load_benchmark
+from tests.benchmarks import load_benchmark, run_main
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +30,8 @@ def test_markdown_rows_follow_variants_and_item_counts(waves):
 
 
 def test_refuses_to_run_off_the_gpu(waves, monkeypatch):
-  monkeypatch.setattr(sys, "argv", ["moe_waves.py"])
   with pytest.raises(SystemExit, match="GPU"):
-    waves.main()
+    run_main(monkeypatch, waves)
 
 
 def test_dead_tail_script_refuses_to_run_off_the_gpu():
