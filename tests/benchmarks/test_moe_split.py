@@ -1,7 +1,6 @@
 """``benchmarks/moe_split.py``: its variants are the configurations they name, its table puts each
 measurement in its row, and it refuses to run off the GPU."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest

@@ -1,7 +1,6 @@
 """``benchmarks/moe_two_warpgroups.py``: its kernel lowers for the GPU at K2.6's widths, its table
 puts each time in its cell, and it refuses to run off the GPU."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
