@@ -552,6 +552,56 @@ def _dequant_words_jnp(words_smem, scale_smem, block_k: int):
   return (values * scale).astype(jnp.bfloat16)
 
 
+def _k_pipeline(accs, w_refs, x_rows, *, n, first, num_steps, is_int4: bool, bk: int, k_steps: int, x_atom: int,
+                stages: int, int4_dequant: str, deq_smem, on_step_end=None):
+  """Pipeline steps [first, first + num_steps) of K (``num_steps`` may be traced) of output tile
+  ``n`` into the float32 accumulators ``accs`` ([TILE_N, R], one per weight): each step loads a
+  [TILE_N, bk] tile of every weight in ``w_refs`` (one expert's bf16 [K, N] or INT4 words and
+  scales) and x_rows' [R, bk] tile, and adds W^T x^T (INT4 dequantised in registers or, for
+  "smem", through ``deq_smem``). ``on_step_end(idx)`` runs after each step's products (the
+  chunk hooks). Returns the steps that lay inside K (the tile-load count)."""
+  r = x_rows.shape[0]
+  smem_dequant = is_int4 and int4_dequant == "smem"
+
+  def step(indices, *args):
+    (idx,), smem, count = indices, args[:-1], args[-1]
+    x_t = smem[-1].T  # [bk, R]
+    if not is_int4:
+      for acc, w_smem in zip(accs, smem[:-1]):
+        plgpu.wgmma(acc, w_smem.T, x_t)  # [TILE_N, bk] @ [bk, R]
+    else:
+      for i, acc in enumerate(accs):
+        words_smem, scale_smem = smem[2 * i], smem[2 * i + 1]
+        if smem_dequant:
+          deq_smem[i][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
+          plgpu.commit_smem()
+          plgpu.wgmma(acc, deq_smem[i], x_t)
+        else:
+          plgpu.wgmma(acc, _dequant_words_registers(words_smem, scale_smem, bk), x_t)
+          if int4_dequant == "registers_serial":
+            plgpu.wgmma_wait(0)  # fewer live registers: the next weight's tile reuses them
+      # The operands (registers, or the one shared-memory tile per weight) must outlive their
+      # MMAs; this also lets the x tile go as soon as the step ends.
+      plgpu.wgmma_wait(0)
+    if on_step_end is not None:
+      on_step_end(idx)
+    return count + (first + idx < k_steps).astype(jnp.int32)  # steps past K load zeros
+
+  if is_int4:
+    in_specs = []
+    for _ in range(len(accs)):
+      in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, first + k), transforms=WORDS_TRANSFORMS))
+      in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, first + k)))
+  else:
+    in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (first + k, n),
+                                transforms=_bf16_transforms(x_atom), delay_release=1) for _ in accs]
+  # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
+  in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, first + k),
+                                  transforms=_bf16_transforms(x_atom), delay_release=0 if is_int4 else 1))
+  return plgpu.emit_pipeline(step, grid=(num_steps,), in_specs=in_specs, max_concurrent_steps=stages,
+                             init_carry=jnp.int32(0))(*w_refs, x_rows)
+
+
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
                     grid_order: str, num_slots=None, item_programs: int | None = None):
@@ -614,6 +664,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   fixed_smem = (num_w * acc_bytes if (split or fold_in_step) else 0) + (0 if split else r * TILE_N * 2)
   stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r, fixed_smem)
   compact = _compact(w_items, num_slots, item_programs)
+  pipe = dict(is_int4=is_int4, bk=bk, k_steps=k_steps, x_atom=x_atom, stages=stages, int4_dequant=int4_dequant)
 
   def body(expert_ref, *refs):
     if compact:
@@ -653,52 +704,17 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
           """Runs steps [first, first + num_steps) of K into ``accs``; returns the steps inside K.
           With ``fold_chunks`` each chunk's sums are added to ``run_smem`` and the MMAs restart
           from zero, the loads staying in flight across chunks."""
-          def step(indices, *args):
-            (idx,), smem, count = indices, args[:-1], args[-1]
-            x_t = smem[-1].T  # [bk, R]
-            if not is_int4:
-              for acc, w_smem in zip(accs, smem[:-1]):
-                plgpu.wgmma(acc, w_smem.T, x_t)  # [TILE_N, bk] @ [bk, R]
-            else:
-              for i, acc in enumerate(accs):
-                words_smem, scale_smem = smem[2 * i], smem[2 * i + 1]
-                if smem_dequant:
-                  deq_smem[i][...] = _dequant_words_jnp(words_smem, scale_smem, bk)
-                  plgpu.commit_smem()
-                  plgpu.wgmma(acc, deq_smem[i], x_t)
-                else:
-                  plgpu.wgmma(acc, _dequant_words_registers(words_smem, scale_smem, bk), x_t)
-                  if int4_dequant == "registers_serial":
-                    plgpu.wgmma_wait(0)  # fewer live registers: the next weight's tile reuses them
-              # The operands (registers, or the one shared-memory tile per weight) must outlive their
-              # MMAs; this also lets the x tile go as soon as the step ends.
-              plgpu.wgmma_wait(0)
-            if fold_chunks:
-              @pl.when((idx % chunk_steps == chunk_steps - 1) | (idx == num_steps - 1))
-              def _():
-                for acc, run in zip(accs, run_smem):
-                  run[...] = run[...] + acc[...]
-                  acc[...] = jnp.zeros((TILE_N, r), jnp.float32)
-            return count + (first + idx < k_steps).astype(jnp.int32)  # steps past K load zeros
+          def chunk_end(idx):
+            @pl.when((idx % chunk_steps == chunk_steps - 1) | (idx == num_steps - 1))
+            def _():
+              for acc, run in zip(accs, run_smem):
+                run[...] = run[...] + acc[...]
+                acc[...] = jnp.zeros((TILE_N, r), jnp.float32)
 
-          if is_int4:
-            in_specs = []
-            for _ in range(num_w):
-              in_specs.append(plgpu.BlockSpec((TILE_N, bk // 8), lambda k: (n, first + k),
-                                              transforms=WORDS_TRANSFORMS))
-              in_specs.append(plgpu.BlockSpec((TILE_N, bk // GROUP_SIZE), lambda k: (n, first + k)))
-          else:
-            in_specs = [plgpu.BlockSpec((bk, TILE_N), lambda k: (first + k, n),
-                                        transforms=_bf16_transforms(x_atom), delay_release=1)
-                        for _ in range(num_w)]
-          # bf16's MMAs still read the x tile when the next step starts; INT4's steps drain them.
           start = pl.multiple_of(start_ref[w], ROW_ALIGN) if direct else w * r
-          x_rows = x_ref.at[pl.ds(start, r)]
-          in_specs.append(plgpu.BlockSpec((r, bk), lambda k: (0, first + k),
-                                          transforms=_bf16_transforms(x_atom), delay_release=0 if is_int4 else 1))
-          return plgpu.emit_pipeline(step, grid=(num_steps,), in_specs=in_specs,
-                                     max_concurrent_steps=stages, init_carry=jnp.int32(0))(
-                                         *[ref.at[expert] for ref in w_refs], x_rows)
+          return _k_pipeline(accs, [ref.at[expert] for ref in w_refs], x_ref.at[pl.ds(start, r)], n=n,
+                             first=first, num_steps=num_steps, on_step_end=chunk_end if fold_chunks else None,
+                             deq_smem=deq_smem, **pipe)
 
         def chunk_sums(first, num_steps):
           def scope(*accs):
