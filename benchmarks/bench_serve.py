@@ -8,7 +8,9 @@ clients stream completions of held-out prompts (greedy, fixed ``max_tokens``, EO
 specs generate the same number of tokens) over loopback HTTP. Reported per cell: output tokens/s,
 time to first token (TTFT) and inter-token latency (ITL: (last - first token time) / (tokens - 1)
 per request) percentiles, and the mean accepted length read from the server's /metrics.
-Results: bench_serve.json, bench_serve.md and bench_serve.png in --out.
+``--attention-impl pallas --moe-impl pallas`` serves with the Mosaic GPU kernels (the server's
+flags of the same names). Results: NAME.json, NAME.md and NAME.png in --out (``--name``, default
+bench_serve).
 """
 
 import argparse
@@ -24,7 +26,7 @@ import jax
 import numpy as np
 
 from models import loading
-from serve.config import ServeConfig
+from serve.config import KERNEL_IMPLS, ServeConfig
 from serve.launch import ServerThread
 
 
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
   parser.add_argument("--max-prompt", type=int, default=128)
   parser.add_argument("--budget", default="1:32,4:16,16:8,64:4", help="the ddtree server's budget table")
   parser.add_argument("--dtype", default="auto")
+  parser.add_argument("--attention-impl", default="xla", choices=KERNEL_IMPLS, help="the target's tree attention")
+  parser.add_argument("--moe-impl", default="xla", choices=KERNEL_IMPLS, help="the target's routed experts")
+  parser.add_argument("--name", default="bench_serve", help="the results' file names (NAME.json, .md, .png)")
   args = parser.parse_args(argv)
   levels = [int(c) for c in args.concurrency.split(",")]
   out = Path(args.out)
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
   rows = []
   for spec in ("none", "ddtree"):
     config = ServeConfig(port=0, spec=spec, budget=args.budget, max_batch=max(levels),
-                         max_context=args.max_prompt + args.max_tokens, dtype=args.dtype, max_queue=1024)
+                         max_context=args.max_prompt + args.max_tokens, dtype=args.dtype, max_queue=1024,
+                         attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     t0 = time.perf_counter()
     with ServerThread(config) as server:
       warm = time.perf_counter() - t0
@@ -126,11 +132,13 @@ def main(argv=None) -> int:
       row["speedup_tokens_per_s"] = row["tokens_per_s"] / base["tokens_per_s"]
   meta = {"device": device, "jax": jax.__version__, "max_tokens": args.max_tokens, "max_prompt": args.max_prompt,
           "budget_table": args.budget, "dtype": args.dtype, "model": "kimi-demo + kimi-demo-dflash",
+          "attention_impl": args.attention_impl, "moe_impl": args.moe_impl,
           "command": "PYTHONPATH=. python3 benchmarks/bench_serve.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-  (out / "bench_serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
   lines = [f"# Serving benchmark ({device}, {meta['model']}, dtype {args.dtype})", "",
            f"Greedy, {args.max_tokens} new tokens per request (EOS ignored), prompts up to {args.max_prompt} "
-           f"tokens, streaming over loopback HTTP; ddtree budget table `{args.budget}`. Command: "
+           f"tokens, streaming over loopback HTTP; ddtree budget table `{args.budget}`; the target's attention "
+           f"`{args.attention_impl}`, routed experts `{args.moe_impl}`. Command: "
            f"`{meta['command']}`.", "",
            "| spec | clients | requests | tok/s | speedup | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | "
            "latency p50 ms | tau |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
                  f"{r.get('speedup_tokens_per_s', 1.0):.2f}x | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / "
                  f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p90_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
                  f"{r['latency_p50_ms']:.0f} | {r['tau']:.2f} |")
-  (out / "bench_serve.md").write_text("\n".join(lines) + "\n")
+  (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
@@ -155,9 +163,10 @@ def main(argv=None) -> int:
       ax.set_xlabel("concurrent clients")
       ax.set_ylabel(label)
       ax.legend()
-    fig.suptitle(f"python -m ddtree_jax.serve, demo pair, {device}")
+    fig.suptitle(f"python -m ddtree_jax.serve, demo pair, {device}, attention {args.attention_impl}, "
+                 f"experts {args.moe_impl}")
     fig.tight_layout()
-    fig.savefig(out / "bench_serve.png", dpi=120)
+    fig.savefig(out / f"{args.name}.png", dpi=120)
   except ImportError:
     print("matplotlib not installed: no plot")
   return 0

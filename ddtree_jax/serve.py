@@ -3,6 +3,7 @@
     python -m ddtree_jax.serve                                   # the bundled demo pair on 127.0.0.1:8000
     python -m ddtree_jax.serve --spec none                       # plain autoregressive decoding
     python -m ddtree_jax.serve --budget 1:32,4:16,16:8 --max-batch 16 --api-key secret
+    python -m ddtree_jax.serve --attention-impl pallas --moe-impl pallas   # the Pallas kernels (GPU)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health (200 once warm-up compilation is done), GET /metrics (Prometheus).
@@ -18,7 +19,7 @@ from ddtree_jax import policies
 
 
 def parse_args(argv=None):
-  from serve.config import ServeConfig  # pylint: disable=import-outside-toplevel
+  from serve.config import KERNEL_IMPLS, ServeConfig  # pylint: disable=import-outside-toplevel
   defaults = ServeConfig()
   parser = argparse.ArgumentParser(prog="python -m ddtree_jax.serve", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,6 +45,10 @@ def parse_args(argv=None):
   parser.add_argument("--port", type=int, default=defaults.port)
   parser.add_argument("--compile-cache-dir", default=None, help="jax's persistent compilation cache")
   parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/ routes")
+  parser.add_argument("--attention-impl", default=defaults.attention_impl, choices=KERNEL_IMPLS,
+                      help="the target's tree attention: plain jnp (any backend) or the Pallas kernel (GPU)")
+  parser.add_argument("--moe-impl", default=defaults.moe_impl, choices=KERNEL_IMPLS,
+                      help="the target's routed experts: ragged_dot (any backend) or the Pallas kernel (GPU)")
   parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
   args = parser.parse_args(argv)
   try:
@@ -52,7 +57,8 @@ def parse_args(argv=None):
                          max_context=args.max_context, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
                          compile_cache_dir=args.compile_cache_dir, host=args.host, port=args.port,
-                         api_key=args.api_key)
+                         api_key=args.api_key, attention_impl=args.attention_impl, moe_impl=args.moe_impl)
+    config.check_backend()
   except ValueError as err:
     parser.error(str(err))
   return config, args

@@ -15,6 +15,9 @@ from serve.text import TextCodec
 log = logging.getLogger("ddtree_jax.serve")
 
 
+KERNEL_IMPLS = ("xla", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   """What ``python -m ddtree_jax.serve`` is told (see its ``--help``).
@@ -31,6 +34,8 @@ class ServeConfig:
     dtype: ``auto`` (as stored), ``bfloat16`` or ``float32``.
     prefill_chunk: tokens per compiled prefill chunk.
     api_key: when set, requests need ``Authorization: Bearer <api_key>``.
+    attention_impl, moe_impl: the target's tree attention and routed experts: ``xla`` (plain jnp,
+      any backend) or ``pallas`` (the Mosaic GPU kernels; GPU only: ``check_backend``).
   """
 
   model: str = "kimi-demo"
@@ -50,6 +55,8 @@ class ServeConfig:
   host: str = "127.0.0.1"
   port: int = 8000
   api_key: str | None = None
+  attention_impl: str = "xla"
+  moe_impl: str = "xla"
   faults: str | None = None  # DDTREE_JAX_FAULTS syntax; tests only
 
   def __post_init__(self):
@@ -64,6 +71,19 @@ class ServeConfig:
     if self.dtype not in ("auto", "bfloat16", "float32"):
       raise ValueError(f"dtype {self.dtype!r}: expected auto, bfloat16 or float32")
     BudgetTable.parse(self.budget)
+    for name in ("attention_impl", "moe_impl"):
+      if getattr(self, name) not in KERNEL_IMPLS:
+        raise ValueError(f"{name} {getattr(self, name)!r}: expected one of {KERNEL_IMPLS}")
+
+  def check_backend(self, backend: str | None = None) -> None:
+    """Raises ValueError, naming the setting, where a ``pallas`` kernel is asked for on a backend
+    that cannot run it (``backend``: default jax's), so that a server fails at startup, not in
+    its warm-up's first compile."""
+    backend = backend or jax.default_backend()
+    for name in ("attention_impl", "moe_impl"):
+      if getattr(self, name) == "pallas" and backend != "gpu":
+        raise ValueError(f"{name}='pallas' runs a Mosaic GPU kernel and needs a GPU backend, not {backend!r}; "
+                         f"use {name}='xla' here")
 
   @property
   def model_name(self) -> str:
@@ -89,9 +109,10 @@ class Engine:
 def build_engine(config: ServeConfig) -> Engine:
   """Loads the models and compiles every step shape the server can run (the warm-up)."""
   t0 = time.perf_counter()
+  config.check_backend()
   model_dir = loading.resolve_model_dir(config.model)
   dtype = {} if config.dtype == "auto" else {"dtype": config.dtype, "param_dtype": config.dtype}
-  target = loading.load_kimi(model_dir, **dtype)
+  target = loading.load_kimi(model_dir, **dtype, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
   codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
   table = config.budget_table
   buckets = batch_buckets(config.max_batch)
