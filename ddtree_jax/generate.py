@@ -2,6 +2,7 @@
 
     python -m ddtree_jax.generate                        # the bundled demo pair, a code prompt
     python -m ddtree_jax.generate --prompt "import os" --policy chain --budget 8 --max-new-tokens 96
+    python -m ddtree_jax.generate --attention-impl pallas --moe-impl pallas --dtype bfloat16   # on a GPU
 
 The defaults run the bundled ``kimi-demo`` target (a 16M-parameter Kimi-architecture model trained
 on Python sources) with its DFlash drafter. Unless ``--no-compare`` is given, the same prompt is
@@ -13,9 +14,12 @@ command does not tell apart; the tests do).
 import argparse
 import sys
 
+import jax
+
 from ddtree_jax import drafters, engine, policies
 from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, loading
+from models.config import KERNEL_IMPLS, kernel_backend_error
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that stops after "\n" leaves the model at a token boundary it never saw in training.
@@ -37,15 +41,23 @@ def main(argv=None) -> int:
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   parser.add_argument("--no-compare", action="store_true", help="skip the plain decoding for comparison")
   parser.add_argument("--compile-cache-dir", default=None)
+  parser.add_argument("--attention-impl", default="xla", choices=KERNEL_IMPLS,
+                      help="the target's tree attention: plain jnp (any backend) or the Pallas kernel (GPU)")
+  parser.add_argument("--moe-impl", default="xla", choices=KERNEL_IMPLS,
+                      help="the target's routed experts: ragged_dot (any backend) or the Pallas kernel (GPU)")
   args = parser.parse_args(argv)
   for name, ok in (("--budget", args.budget >= 0), ("--max-new-tokens", args.max_new_tokens > 0),
                    ("--temperature", args.temperature >= 0), ("--top-p", 0 < args.top_p <= 1)):
     if not ok:
       parser.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
+  error = kernel_backend_error(jax.default_backend(), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
+  if error:
+    parser.error(error)
 
   try:
     model_dir = loading.resolve_model_dir(args.model)
-    target = loading.load_kimi(model_dir, dtype=args.dtype, param_dtype=args.dtype)
+    target = loading.load_kimi(model_dir, dtype=args.dtype, param_dtype=args.dtype,
+                               attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     draft = loading.load_dflash(args.drafter, dtype=args.dtype, param_dtype=args.dtype)
   except (FileNotFoundError, KeyError, ValueError) as err:
     parser.error(str(err))
@@ -56,7 +68,9 @@ def main(argv=None) -> int:
   prompt = [eot] + tokenizer_lib.encode(tok, args.prompt)  # documents start after <|endoftext|>
   max_len = len(prompt) + args.max_new_tokens + max(args.budget, draft.cfg.block_size) + 1
   sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_token_ids=[eot])
-  common = dict(batch_buckets=(1,), max_len=max_len, compile_cache_dir=args.compile_cache_dir)
+  # A short prompt and few new tokens make a cache shorter than the engine's default prefill chunk.
+  common = dict(batch_buckets=(1,), max_len=max_len, prefill_chunk=min(64, max_len),
+                compile_cache_dir=args.compile_cache_dir)
 
   spec = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target),
                                    policy=args.policy, budgets=(args.budget,), **common)

@@ -7,6 +7,18 @@ from typing import Any, Mapping
 
 from models import int4
 
+KERNEL_IMPLS = ("xla", "pallas")  # KimiConfig.attention_impl, moe_impl
+
+
+def kernel_backend_error(backend: str, **impls: str) -> str | None:
+  """Why the kernels ``impls`` (``attention_impl="pallas"``, ...) cannot run on ``backend``, or None.
+  For command lines, which should refuse at startup rather than at the first compile."""
+  for name, impl in impls.items():
+    if impl == "pallas" and backend != "gpu":
+      return (f"{name}='pallas' runs a Mosaic GPU kernel and needs a GPU backend, not {backend!r}; "
+              f"use {name}='xla' here")
+  return None
+
 
 class ConfigError(ValueError):
   """A configuration value is missing, inconsistent or unsupported."""
@@ -151,10 +163,9 @@ class KimiConfig:
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ConfigError(
             f"KimiConfig.{name}={getattr(self, name)!r}: expected float32, bfloat16 or float16")
-    if self.attention_impl not in ("xla", "pallas"):
-      raise ConfigError(f"KimiConfig.attention_impl={self.attention_impl!r}: expected 'xla' or 'pallas'")
-    if self.moe_impl not in ("xla", "pallas"):
-      raise ConfigError(f"KimiConfig.moe_impl={self.moe_impl!r}: expected 'xla' or 'pallas'")
+    for name in ("attention_impl", "moe_impl"):
+      if getattr(self, name) not in KERNEL_IMPLS:
+        raise ConfigError(f"KimiConfig.{name}={getattr(self, name)!r}: expected 'xla' or 'pallas'")
     if self.experts_int4 and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
       raise ConfigError(
           f"KimiConfig.experts_int4: INT4 groups of 32 need hidden_size ({self.hidden_size}) and "

@@ -8,14 +8,12 @@ import jax
 
 from ddtree_jax import drafters, engine, policies
 from models import dflash, loading
+from models.config import KERNEL_IMPLS, kernel_backend_error
 from serve.engine_loop import BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env
 from serve.metrics import Metrics
 from serve.text import TextCodec
 
 log = logging.getLogger("ddtree_jax.serve")
-
-
-KERNEL_IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +77,10 @@ class ServeConfig:
     """Raises ValueError, naming the setting, where a ``pallas`` kernel is asked for on a backend
     that cannot run it (``backend``: default jax's), so that a server fails at startup, not in
     its warm-up's first compile."""
-    backend = backend or jax.default_backend()
-    for name in ("attention_impl", "moe_impl"):
-      if getattr(self, name) == "pallas" and backend != "gpu":
-        raise ValueError(f"{name}='pallas' runs a Mosaic GPU kernel and needs a GPU backend, not {backend!r}; "
-                         f"use {name}='xla' here")
+    error = kernel_backend_error(backend or jax.default_backend(), attention_impl=self.attention_impl,
+                                 moe_impl=self.moe_impl)
+    if error:
+      raise ValueError(error)
 
   @property
   def model_name(self) -> str:
