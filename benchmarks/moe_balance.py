@@ -24,8 +24,6 @@ added in one order either way). Writes NAME.json and NAME.md (``--name``, defaul
 
 import argparse
 import dataclasses
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 import bench_moe as bench
+import results_io
 from pallas_kernels import moe
 
 CELLS = ((48, 9), (48, 17), (48, 33), (48, 65), (48, 136), (384, 17))
@@ -356,10 +355,10 @@ def layer(programs: int | None, dequant: str | None):
   return call
 
 
-def merge_rows(earlier: list, new: list) -> list:
-  cell = lambda row: (row["experts"], row["tokens"])
-  timed = {cell(row) for row in new}
-  return sorted([row for row in earlier if cell(row) not in timed] + new, key=cell)
+def cell(row: dict) -> tuple:
+  """A row's cell, (experts, tokens): ``--merge`` keeps an earlier run's rows of the cells this
+  run did not time."""
+  return (row["experts"], row["tokens"])
 
 
 def markdown(result: dict) -> str:
@@ -370,7 +369,7 @@ def markdown(result: dict) -> str:
            "| experts | T | touched | variant | int4 form | GPU us | vs default | kernels | rows |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
-    kinds = ", ".join(f"{k.replace('_mosaic_gpu_kernel', '')} {v:.1f}" for k, v in row["kernels"].items())
+    kinds = results_io.kernel_shares(row["kernels"])
     lines.append(f"| {row['experts']} | {row['tokens']} | {row['touched']:.1f} | {row['variant']} | {row['dequant']} | "
                  f"{row['gpu_us']:.1f} | {row['vs_default']:.2f}x | {kinds} | {row['rows']} |")
   lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
@@ -433,15 +432,8 @@ def main(argv=None):
                        kernels={k: v for k, v in kinds.items() if "mosaic_gpu" in k}))
       print(f"E={e} T={t} {name} {form}: {us:.1f} us ({rows[-1]['vs_default']:.2f}x) {check}", flush=True)
   command = "PYTHONPATH=. python3 " + " ".join(sys.argv if argv is None else ["benchmarks/moe_balance.py", *argv])
-  json_path, md_path = args.out / f"{args.name}.json", args.out / f"{args.name}.md"
-  if args.merge and json_path.exists():
-    earlier = json.loads(json_path.read_text())
-    rows, command = merge_rows(earlier["rows"], rows), f"{earlier['command']}; then {command}"
-  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
-                command=command, seconds=time.perf_counter() - start, rows=rows)
-  args.out.mkdir(parents=True, exist_ok=True)
-  json_path.write_text(json.dumps(result, indent=1))
-  md_path.write_text(markdown(result))
+  results_io.save_rows(rows, out=args.out, name=args.name, command=command, start=start, markdown=markdown,
+                       merge=args.merge, cell=cell)
 
 
 if __name__ == "__main__":

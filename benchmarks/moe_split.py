@@ -25,8 +25,6 @@ minutes (mostly compilation), so under a 10-minute limit time them in parts (``-
 
 import argparse
 import dataclasses
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_moe as bench
+import results_io
 from pallas_kernels import moe
 
 CELLS = ((48, 1), (48, 2), (48, 9), (48, 17), (48, 65), (48, 136), (384, 1), (384, 136))
@@ -68,12 +67,10 @@ def layer(adjust, item_programs):
   return call
 
 
-def merge_rows(earlier: list, new: list) -> list:
-  """``new`` plus the rows of ``earlier`` whose (experts, tokens, format) cell ``new`` lacks, in
-  format, experts and tokens order."""
-  cell = lambda row: (row["format"], row["experts"], row["tokens"])
-  timed = {cell(row) for row in new}
-  return sorted([row for row in earlier if cell(row) not in timed] + new, key=cell)
+def cell(row: dict) -> tuple:
+  """A row's cell, (format, experts, tokens): ``--merge`` keeps an earlier run's rows of the
+  cells this run did not time."""
+  return (row["format"], row["experts"], row["tokens"])
 
 
 def markdown(result: dict) -> str:
@@ -83,7 +80,7 @@ def markdown(result: dict) -> str:
            "| experts | T | format | touched | variant | GPU us | vs default | kernels | rows |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
-    kinds = ", ".join(f"{k.replace('_mosaic_gpu_kernel', '')} {v:.1f}" for k, v in row["kernels"].items())
+    kinds = results_io.kernel_shares(row["kernels"])
     lines.append(f"| {row['experts']} | {row['tokens']} | {row['format']} | {row['touched']:.1f} | {row['variant']} | "
                  f"{row['gpu_us']:.1f} | {row['vs_default']:.2f}x | {kinds} | {row['rows']} |")
   lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
@@ -137,15 +134,8 @@ def main():
         print(f"E={e} T={t} {fmt} {name}: {us:.1f} us ({cell_rows[-1]['vs_default']:.2f}x) {check}", flush=True)
       rows += cell_rows
   command = "PYTHONPATH=. python3 " + " ".join(sys.argv)
-  json_path, md_path = args.out / f"{args.name}.json", args.out / f"{args.name}.md"
-  if args.merge and json_path.exists():
-    earlier = json.loads(json_path.read_text())
-    rows, command = merge_rows(earlier["rows"], rows), f"{earlier['command']}; then {command}"
-  result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
-                command=command, seconds=time.perf_counter() - start, rows=rows)
-  args.out.mkdir(parents=True, exist_ok=True)
-  json_path.write_text(json.dumps(result, indent=1))
-  md_path.write_text(markdown(result))
+  results_io.save_rows(rows, out=args.out, name=args.name, command=command, start=start, markdown=markdown,
+                       merge=args.merge, cell=cell)
 
 
 if __name__ == "__main__":

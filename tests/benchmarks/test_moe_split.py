@@ -44,7 +44,8 @@ def test_merge_keeps_other_cells_and_replaces_timed_ones(split):
   def row(fmt, e, t, us):
     return dict(format=fmt, experts=e, tokens=t, variant="default", gpu_us=us)
   earlier = [row("int4", 48, 1, 20.0), row("int4", 48, 9, 90.0), row("bf16", 48, 1, 30.0)]
-  merged = split.merge_rows(earlier, [row("int4", 48, 9, 88.0), row("int4", 384, 1, 70.0)])
+  merged = load_benchmark("results_io").merge_rows(earlier, [row("int4", 48, 9, 88.0), row("int4", 384, 1, 70.0)],
+                                                   split.cell)
   assert [(r["format"], r["experts"], r["tokens"], r["gpu_us"]) for r in merged] == [
       ("bf16", 48, 1, 30.0), ("int4", 48, 1, 20.0), ("int4", 48, 9, 88.0), ("int4", 384, 1, 70.0)]
 
