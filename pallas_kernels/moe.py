@@ -75,7 +75,9 @@ of the step's CUDA graph
 idle: chosen per call (``tune_moe.md``) or as 2 static splits with float32 partials summed by
 XLA it lost where 2 programs an SM were already live (384 experts T = 1 INT4 94-98 against 82
 us, 48 experts T = 9 126-133 against 96 us); the chunked split of INT4's gate/up below one
-program an SM saves 17-18% at 48 experts and T = 1, 2 (``INT4_TILES``). Each row's result
+program an SM saves 17-18% at 48 experts and T = 1, 2 (``INT4_TILES``); balanced programs
+sharing the (tile, chunk) units evenly (stream-K, ``benchmarks/moe_balance.py``) gained the gate/up
+kernel 3-5 us there but lost more to their fold. Each row's result
 depends only on its own input (fixed tiles, K in fixed chunks in a fixed order), whatever the
 other rows and whether the chunks were split.
 """
