@@ -82,6 +82,7 @@ class ServerThread:
 
   def __init__(self, config: ServeConfig, engine: Engine | None = None, *, wait_ready: bool = True,
                timeout: float = 900.0):
+    config.check_backend()  # before a socket or thread exists
     self.config = config
     self.state = ServerState(api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     self.app = create_app(self.state)
@@ -131,6 +132,7 @@ class ServerThread:
 
 def serve_forever(config: ServeConfig) -> None:
   """The CLI's server: warm-up in the background, uvicorn in the foreground until interrupted."""
+  config.check_backend()
   state = ServerState(api_key=config.api_key, max_body_bytes=config.max_body_bytes)
   app = create_app(state)
   start_warm_up(state, config)

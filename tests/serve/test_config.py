@@ -11,6 +11,7 @@ from ddtree_jax import serve as serve_cli
 from models import loading
 from serve import config as serve_config
 from serve.config import ServeConfig
+from serve.launch import ServerThread
 
 
 def test_bad_kernel_impls_are_refused_by_name():
@@ -67,3 +68,9 @@ def test_build_engine_passes_the_kernels_to_the_target(monkeypatch):
   with pytest.raises(Stop):
     serve_config.build_engine(ServeConfig(attention_impl="pallas", moe_impl="pallas", dtype="bfloat16"))
   assert seen == {"dtype": "bfloat16", "param_dtype": "bfloat16", "attention_impl": "pallas", "moe_impl": "pallas"}
+
+
+def test_server_thread_refuses_pallas_off_the_gpu_before_it_starts(monkeypatch):
+  monkeypatch.setattr(serve_config.jax, "default_backend", lambda: "cpu")
+  with pytest.raises(ValueError, match="moe_impl='pallas' runs a Mosaic GPU kernel"):
+    ServerThread(ServeConfig(port=0, moe_impl="pallas"))
