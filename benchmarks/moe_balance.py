@@ -76,21 +76,7 @@ def balanced_kernel(x, work_expert, block_start, weights, num_slots, *, programs
     raise ValueError(f"balanced programs need chunk_k without split_k and programs >= 1, got {cfg}, {programs}")
   w_items = work_expert.shape[0]
   num_w = len(weights)
-  is_int4 = isinstance(weights[0], moe.KernelInt4Matrix)
-  num_experts = (weights[0].words if is_int4 else weights[0]).shape[0]
-  if is_int4:
-    _, n_out, _ = weights[0].words.shape
-    k_in = weights[0].in_features
-    flat_weights = [t for m in weights for t in (m.words, m.scale)]
-    if bk % moe.PACK_BLOCK:
-      raise ValueError(f"INT4 needs block_k a multiple of {moe.PACK_BLOCK} (the packed layout's block), got {bk}")
-    k_steps = pl.cdiv(weights[0].words.shape[2] * 8, bk)
-    x_atom = moe._swizzle_elems(k_in)
-  else:
-    _, k_in, n_out = weights[0].shape
-    flat_weights = list(weights)
-    k_steps = pl.cdiv(k_in, bk)
-    x_atom = moe._swizzle_elems(k_in, n_out, moe.TILE_N)
+  is_int4, num_experts, n_out, flat_weights, k_steps, x_atom = moe._weight_dims(weights, bk)
   out_atom = moe._swizzle_elems(n_out, moe.TILE_N)
   n_tiles = pl.cdiv(n_out, moe.TILE_N)
   chunk_steps = cfg.chunk_k // bk

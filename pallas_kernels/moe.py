@@ -604,6 +604,23 @@ def _k_pipeline(accs, w_refs, x_rows, *, n, first, num_steps, is_int4: bool, bk:
                              init_carry=jnp.int32(0))(*w_refs, x_rows)
 
 
+def _weight_dims(weights, bk: int):
+  """(is_int4, experts E, output features N, the weights' arrays in kernel-argument order, pipeline
+  steps over K, the x tile's swizzle atom) of one projection's weights (bf16 [E, K, N] or
+  ``KernelInt4Matrix`` [E, N, K]) at ``bk`` input features a step."""
+  is_int4 = isinstance(weights[0], KernelInt4Matrix)
+  if is_int4:
+    if bk % PACK_BLOCK:
+      raise ValueError(f"INT4 needs block_k a multiple of {PACK_BLOCK} (the packed layout's block), got {bk}")
+    num_experts, n_out, words = weights[0].words.shape
+    k_in = weights[0].in_features
+    flat_weights = [t for m in weights for t in (m.words, m.scale)]
+    # Over the padded K: its words and scales past K are zero, and so is x (zero-filled loads).
+    return is_int4, num_experts, n_out, flat_weights, pl.cdiv(words * 8, bk), _swizzle_elems(k_in)
+  num_experts, k_in, n_out = weights[0].shape
+  return is_int4, num_experts, n_out, list(weights), pl.cdiv(k_in, bk), _swizzle_elems(k_in, n_out, TILE_N)
+
+
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
                     grid_order: str, num_slots=None, item_programs: int | None = None):
@@ -631,25 +648,9 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   w_items = work_expert.shape[0]
   direct = block_start is not None
   num_w = len(weights)
-  is_int4 = isinstance(weights[0], KernelInt4Matrix)
-  num_experts = (weights[0].words if is_int4 else weights[0]).shape[0]
-  if is_int4:
-    _, n_out, _ = weights[0].words.shape
-    k_in = weights[0].in_features
-    flat_weights = [t for m in weights for t in (m.words, m.scale)]
-    if bk % PACK_BLOCK:
-      raise ValueError(f"INT4 needs block_k a multiple of {PACK_BLOCK} (the packed layout's block), got {bk}")
-  else:
-    _, k_in, n_out = weights[0].shape
-    flat_weights = list(weights)
+  is_int4, num_experts, n_out, flat_weights, k_steps, x_atom = _weight_dims(weights, bk)
   smem_dequant = is_int4 and int4_dequant == "smem"
-  n_tiles, k_steps = pl.cdiv(n_out, TILE_N), pl.cdiv(k_in, bk)
-  if is_int4:
-    # Over the padded K: its words and scales past K are zero, and so is x (zero-filled loads).
-    k_steps = pl.cdiv(weights[0].words.shape[2] * 8, bk)
-    x_atom = _swizzle_elems(k_in)
-  else:
-    x_atom = _swizzle_elems(k_in, n_out, TILE_N)
+  n_tiles = pl.cdiv(n_out, TILE_N)
   out_atom = _swizzle_elems(n_out, TILE_N)
   chunk_steps = k_steps if cfg.chunk_k is None else cfg.chunk_k // bk
   chunks = pl.cdiv(k_steps, chunk_steps)
