@@ -11,7 +11,8 @@ the experts touched. Here work follows them:
 
 * **Per-pair items** (``moe_experts_per_row``; ``moe_experts`` at A <= ``PER_ROW_MAX_ROWS``): one
   token's rows (top-8: distinct experts) are each their own item, with no work list at all (below).
-* **Work list** (plain jnp, on device; ``work_list``): each non-empty expert's rows are covered by
+* **Work list** (``work_list`` in plain jnp, or the gate/up kernel itself: below): each non-empty
+  expert's rows are covered by
   windows of ``block_rows`` (R) rows of x_sorted, starting at its first row rounded down to 8 (the
   bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
   Slots are grouped per expert in expert order; the list has a static length (``max_work_items``),
@@ -20,6 +21,13 @@ the experts touched. Here work follows them:
   gathered: the gate/up kernel loads each item's R-row block straight from x_sorted. A block's
   rows of other experts cost no extra MMA work and their results are never read (each MMA
   output column depends only on its own row).
+* **The list in the kernel** (``work_list_impl="kernel"``, the default up to
+  ``KERNEL_WORK_LIST_MAX_EXPERTS``): the list's own kernels cost more than the list (four small
+  XLA kernels, ~7 us a call at the 48-expert share), so each gate/up program finds its slots'
+  items from ``group_sizes`` by one unrolled scalar pass over the experts (``slot_item``), and
+  the programs of output tile 0 write the list for the down kernel and each routed row's place
+  for the take (``KernelWork``). H200, 48 experts, INT4 (``moe_work_list.md``): T = 9 92.2 ->
+  86.4 us a call, T = 17 130.9 -> 125.8, T = 136 354.1 -> 344.4; the same rows bit for bit.
 * **Kernels**: one program per (output tile, work item). A program whose item is ``-1`` exits
   before loading anything, so weight tiles are read only for touched experts, once per item.
   The weight tile is the MMA's M side (64 output features) and the item's rows its N side
@@ -60,8 +68,8 @@ packed layout pads K to a multiple of 256 with zero weights).
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
 bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
-86-94% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
-(63% at T = 1 with per-pair items, 54% with the sorted work list) and 50-68% for T = 9..136 with
+88-95% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
+(63% at T = 1 with per-pair items, 54% with the sorted work list) and 53-71% for T = 9..136 with
 48, 23% at T = 1 (``moe_waves.md``: what bounds the share's small T). Where few experts are
 touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172
 registers a thread, so two programs and two warps per scheduler) ncu reads DRAM at 61% of its
@@ -249,6 +257,51 @@ def _row_column(rows, base, slot_start, r, last_window):
   slot = (rows - base) // r
   row_window = base + slot * r
   return (slot_start + slot) * r + rows - jnp.minimum(row_window, last_window)
+
+
+# The work list inside the gate/up kernel (``work_list_impl="kernel"``): each program finds its
+# slots' items from the counts by one pass over the experts, unrolled (scalars), so the call runs
+# no work-list kernels of its own. Up to this many experts (the 48-expert share under 8-way
+# expert parallelism); past it the pass would outgrow the kernel's prologue and the jnp list runs.
+KERNEL_WORK_LIST_MAX_EXPERTS = 64
+
+
+class SlotItem(NamedTuple):
+  """``work_list``'s fields of one item slot, as scalars (expert -1: a slot without rows)."""
+  expert: jax.Array
+  first_row: jax.Array
+  num_rows: jax.Array
+  block_start: jax.Array
+
+
+def slot_item(sizes, w, *, block_rows: int, last_window: int):
+  """Item slot ``w`` of ``work_list(sizes, ...)`` by one unrolled pass over the experts' counts
+  (``sizes``: int32[E], a ref or an array): (``SlotItem``, the list's ``num_slots``, the rows'
+  end before any cut at A). The same arithmetic as ``work_list``, on scalars, so that it runs in
+  a kernel's prologue: per expert a load and about a dozen integer operations."""
+  r = block_rows
+  slot_end = row_end = jnp.int32(0)
+  expert = jnp.int32(-1)
+  hit_slot_start = hit_start = hit_size = jnp.int32(0)
+  for e in range(sizes.shape[0]):
+    size = jnp.maximum(sizes[e], 0)
+    # Unsigned (size >= 0): a shift where R is a power of two.
+    slots = lax.div((size + (ROW_ALIGN - 1 + r - 1)).astype(jnp.uint32), jnp.uint32(r)).astype(jnp.int32)
+    slots = jnp.where(size > 0, slots, 0)
+    slot_start, start = slot_end, row_end
+    slot_end, row_end = slot_end + slots, row_end + size
+    hit = (slot_start <= w) & (w < slot_end)  # at most one expert: the empty ones own no slots
+    expert = jnp.where(hit, jnp.int32(e), expert)
+    hit_slot_start, hit_start, hit_size = (jnp.where(hit, new, old) for new, old in
+                                           ((slot_start, hit_slot_start), (start, hit_start), (size, hit_size)))
+  window = (hit_start & jnp.int32(-ROW_ALIGN)) + (w - hit_slot_start) * r
+  hit_end = hit_start + hit_size
+  live = (expert >= 0) & (window < hit_end)  # a spare last slot starts past its expert's rows
+  first_row = jnp.maximum(hit_start, window)
+  last_row = jnp.minimum(hit_end, window + r)
+  item = SlotItem(jnp.where(live, expert, -1), jnp.where(live, first_row, 0), jnp.where(live, last_row - first_row, 0),
+                  jnp.where(live, jnp.minimum(window, last_window), 0))
+  return item, slot_end, row_end
 
 
 def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) -> WorkList:
@@ -621,9 +674,18 @@ def _weight_dims(weights, bk: int):
   return is_int4, num_experts, n_out, list(weights), pl.cdiv(k_in, bk), _swizzle_elems(k_in, n_out, TILE_N)
 
 
+class KernelWork(NamedTuple):
+  """The work list as the gate/up kernel wrote it (``work_list_impl="kernel"``)."""
+  expert: jax.Array  # int32[W]: as ``WorkList.expert`` (every slot written, -1 past num_slots)
+  num_slots: jax.Array  # int32[1]
+  row_column: jax.Array  # int32[A]: as ``WorkList.row_column`` for routed rows; unwritten past them
+  num_routed: jax.Array  # int32[1]: rows routed (sum of the counts, at most A)
+
+
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
-                    grid_order: str, num_slots=None, item_programs: int | None = None):
+                    grid_order: str, num_slots=None, item_programs: int | None = None, sizes=None,
+                    num_rows: int | None = None):
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
@@ -636,6 +698,11 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     num_slots, item_programs: a compact grid (``_visit_items``): ``item_programs`` (static) G < W
       programs along the items, each taking slots g, g + G, ... below ``num_slots`` (int32[1],
       on the device; every slot from there on is -1).
+    sizes: int32[E], the experts' row counts, in place of ``work_expert``, ``block_start`` and
+      ``num_slots`` (all None): each program computes its slots' items (``slot_item``) over
+      ``work_list``'s W slots for ``num_rows`` rows (x may hold padding rows past them), and the
+      kernel also returns the list as a ``KernelWork`` (written by the programs of output tile
+      0) for the kernels after it.
   Returns:
     bf16 [W * R, N]; or, where ``cfg.split_k`` and K has more than one chunk, the chunks'
     float32 sums [C, len(weights), W, N, R] (item w's chunk c of weight i at [c, i, w], features
@@ -645,8 +712,17 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     0 where the item is skipped.
   """
   r, bk = block_rows, cfg.block_k
-  w_items = work_expert.shape[0]
-  direct = block_start is not None
+  in_kernel_list = sizes is not None
+  if in_kernel_list:
+    if work_expert is not None or block_start is not None or num_slots is not None:
+      raise ValueError("sizes replaces work_expert, block_start and num_slots")
+    w_items = max_work_items(sizes.shape[0], num_rows, r)
+    last_window = padded_rows(num_rows, r) - r
+    if last_window + r > x.shape[0]:
+      raise ValueError(f"x has {x.shape[0]} rows; the R-row windows need {last_window + r} (pad x first)")
+  else:
+    w_items = work_expert.shape[0]
+  direct = block_start is not None or in_kernel_list
   num_w = len(weights)
   is_int4, num_experts, n_out, flat_weights, k_steps, x_atom = _weight_dims(weights, bk)
   smem_dequant = is_int4 and int4_dequant == "smem"
@@ -666,20 +742,28 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   acc_bytes = TILE_N * r * 4
   fixed_smem = (num_w * acc_bytes if (split or fold_in_step) else 0) + (0 if split else r * TILE_N * 2)
   stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r, fixed_smem)
-  compact = _compact(w_items, num_slots, item_programs)
+  compact = _compact(w_items, num_slots, item_programs, in_kernel_list)
   pipe = dict(is_int4=is_int4, bk=bk, k_steps=k_steps, x_atom=x_atom, stages=stages, int4_dequant=int4_dequant)
 
-  def body(expert_ref, *refs):
-    if compact:
-      slots_ref, *refs = refs
-    if direct:
-      start_ref, x_ref, *refs = refs
+  def body(*refs):
+    if in_kernel_list:
+      sizes_ref, *refs = refs
     else:
-      x_ref, *refs = refs
+      expert_ref, *refs = refs
+      if compact:
+        slots_ref, *refs = refs
+      if direct:
+        start_ref, *refs = refs
+    x_ref, *refs = refs
     w_refs = refs[:len(flat_weights)]
-    out_ref = refs[len(flat_weights)]
-    count_ref = refs[len(flat_weights) + 1] if count_tile_loads else None
-    scratch = refs[len(flat_weights) + 1 + count_tile_loads:]
+    out_ref, *refs = refs[len(flat_weights):]
+    if count_tile_loads:
+      count_ref, *refs = refs
+    else:
+      count_ref = None
+    if in_kernel_list:
+      list_expert_ref, list_slots_ref, list_rows_ref, list_routed_ref, *refs = refs
+    scratch = refs
     if split:  # one [TILE_N, R] float32 tile per weight for its chunk's sums
       part_smem, deq_smem = scratch[:num_w], scratch[num_w:]
     elif fold_in_step:  # one [TILE_N, R] float32 running sum per weight, and the output tile
@@ -690,13 +774,34 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     c = lax.axis_index("c") if split else 0
     first_step = c * chunk_steps
     count_at = lambda w: (c, n, w) if split else (n, w)
+    writes_list = (n == 0) & (c == 0)  # one program per slot writes the list's entries
 
     def skip(w):
       if count_tile_loads:
         count_ref[count_at(w)] = jnp.int32(0)
+      if in_kernel_list:
+        @pl.when(writes_list)
+        def _():
+          list_expert_ref[w] = jnp.int32(-1)
 
-    def item(w):
-      expert = expert_ref[w]
+    def lookup(w, slot):
+      """(expert, the first row of its R-row block of x) of slot w (``slot``: its ``SlotItem``)."""
+      if not in_kernel_list:
+        return expert_ref[w], (start_ref[w] if direct else None)
+
+      @pl.when(writes_list)
+      def _():
+        list_expert_ref[w] = slot.expert
+        # Each routed row's place in the work layout, written by the one item that holds it.
+        def place(i, carry):
+          row = slot.first_row + i
+          list_rows_ref[row] = w * r + row - slot.block_start
+          return carry
+        lax.fori_loop(0, jnp.minimum(slot.num_rows, num_rows - slot.first_row), place, jnp.int32(0))
+      return slot.expert, slot.block_start
+
+    def item(w, slot=None):
+      expert, block_first_row = lookup(w, slot)
       live = (expert >= 0) & (expert < num_experts)
 
       pl.when(~live)(lambda: skip(w))
@@ -714,7 +819,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
                 run[...] = run[...] + acc[...]
                 acc[...] = jnp.zeros((TILE_N, r), jnp.float32)
 
-          start = pl.multiple_of(start_ref[w], ROW_ALIGN) if direct else w * r
+          start = pl.multiple_of(block_first_row, ROW_ALIGN) if direct else w * r
           return _k_pipeline(accs, [ref.at[expert] for ref in w_refs], x_ref.at[pl.ds(start, r)], n=n,
                              first=first, num_steps=num_steps, on_step_end=chunk_end if fold_chunks else None,
                              deq_smem=deq_smem, **pipe)
@@ -755,7 +860,22 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    _visit_items(item, skip, w_items, item_programs, slots_ref if compact else None)
+    if in_kernel_list:
+      g = lax.axis_index("w")
+      find = functools.partial(slot_item, sizes_ref, block_rows=r, last_window=last_window)
+      first, total_slots, total_rows = find(g)  # the pass for the program's first slot gives the totals
+
+      @pl.when(writes_list & (g == 0))
+      def _():
+        list_slots_ref[0] = total_slots
+        list_routed_ref[0] = jnp.minimum(total_rows, num_rows)
+      if compact:
+        _visit_items(lambda w: item(w, find(w)[0]), skip, w_items, item_programs, total_slots,
+                     first=lambda: item(g, first))
+      else:
+        item(g, first)
+    else:
+      _visit_items(item, skip, w_items, item_programs, slots_ref[0] if compact else None)
 
   if split:
     out_types = [jax.ShapeDtypeStruct((chunks, num_w, w_items, n_out, r), jnp.float32)]
@@ -766,6 +886,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     scratch.append(plgpu.SMEM((r, TILE_N), jnp.bfloat16, transforms=_bf16_transforms(out_atom)))
   if count_tile_loads:
     out_types.append(jax.ShapeDtypeStruct(((chunks,) if split else ()) + (n_tiles, w_items), jnp.int32))
+  if in_kernel_list:
+    out_types += [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((w_items,), (1,), (num_rows,), (1,))]
   if smem_dequant:
     scratch += [plgpu.SMEM((TILE_N, bk), jnp.bfloat16, transforms=_bf16_transforms(x_atom))
                 for _ in range(num_w)]
@@ -778,26 +900,34 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       kernel_name="moe_gate_up" if fuse_silu else "moe_down",  # named in profiles (CUPTI, ncu)
       scratch_types=scratch, interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  outs = kernel(work_expert, *((num_slots,) if compact else ()), *((block_start,) if direct else ()), x,
-                *flat_weights)
+  if in_kernel_list:
+    outs = kernel(sizes.astype(jnp.int32), x, *flat_weights)
+    outs, work = outs[:-4], KernelWork(*outs[-4:])
+  else:
+    outs = kernel(work_expert, *((num_slots,) if compact else ()), *((block_start,) if direct else ()), x,
+                  *flat_weights)
+    work = None
   if count_tile_loads:
     out, loads = outs
-    return out, (loads.sum(axis=0) if split else loads)
-  return outs[0]
+    result = out, (loads.sum(axis=0) if split else loads)
+  else:
+    result = outs[0]
+  return (result, work) if in_kernel_list else result
 
 
-def _compact(w_items: int, num_slots, item_programs) -> bool:
+def _compact(w_items: int, num_slots, item_programs, in_kernel_list: bool = False) -> bool:
   if item_programs is None or item_programs >= w_items:
     return False
-  if num_slots is None or item_programs < 1:
+  if (num_slots is None and not in_kernel_list) or item_programs < 1:
     raise ValueError(f"item_programs={item_programs} needs num_slots and must be >= 1")
   return True
 
 
-def _visit_items(item, skip, w_items: int, item_programs, slots_ref):
+def _visit_items(item, skip, w_items: int, item_programs, num_slots, first=None):
   """Runs ``item(w)`` for this program's work item slots: the grid's "w" index; or, on a compact
-  grid (``slots_ref`` given), slots w = g, g + G, ... (G = ``item_programs``) below the slot count
-  ``slots_ref[0]``, and ``skip(w)`` for this program's slots past it.
+  grid (``num_slots`` given: an int32 scalar), slots w = g, g + G, ... (G = ``item_programs``)
+  below ``num_slots``, and ``skip(w)`` for this program's slots past it; ``first()``, where given,
+  in place of ``item(g)`` (its item found already).
 
   Why: the work list's length is a static bound, far above the live items where few experts are
   touched (73 slots for ~8 live items at 48 experts and T = 9). A program per slot costs every
@@ -805,10 +935,10 @@ def _visit_items(item, skip, w_items: int, item_programs, slots_ref):
   up to 14 us (``moe_dead_tail.md``). Sized by the expected items, the grid holds about the live
   programs; a step with more items than G runs them in a second round, as a second wave would."""
   g = lax.axis_index("w")
-  if slots_ref is None:
+  if num_slots is None:
     item(g)
     return
-  slots = jnp.minimum(slots_ref[0], w_items)
+  slots = jnp.minimum(num_slots, w_items)
 
   def visit(i, carry):
     w = g + i * item_programs
@@ -816,7 +946,12 @@ def _visit_items(item, skip, w_items: int, item_programs, slots_ref):
     pl.when((w >= slots) & (w < w_items))(lambda: skip(w))
     return carry
 
-  lax.fori_loop(0, pl.cdiv(w_items, item_programs), visit, jnp.int32(0))
+  start = 0
+  if first is not None:  # slot g (< G < W) first
+    pl.when(g < slots)(first)
+    pl.when(g >= slots)(lambda: skip(g))
+    start = 1
+  lax.fori_loop(start, pl.cdiv(w_items, item_programs), visit, jnp.int32(0))
 
 
 def _fold_kernel(partials, work_expert, *, num_experts: int, fuse_silu: bool, interpret, num_slots=None,
@@ -858,7 +993,7 @@ def _fold_kernel(partials, work_expert, *, num_experts: int, fuse_silu: bool, in
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    _visit_items(item, lambda w: None, w_items, item_programs, slots_ref if compact else None)
+    _visit_items(item, lambda w: None, w_items, item_programs, slots_ref[0] if compact else None)
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16),
@@ -1008,8 +1143,18 @@ def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> Wor
   return work_list(group_sizes, num_rows, block_rows)
 
 
+WORK_LIST_IMPLS = ("kernel", "jnp")
+
+
+def default_work_list_impl(num_experts: int) -> str:
+  """"kernel" (the gate/up kernel builds the list from the counts) up to
+  ``KERNEL_WORK_LIST_MAX_EXPERTS`` experts, else "jnp" (``work_list``, or ``work_list_from_rows``
+  where the row ids are given and A <= E)."""
+  return "kernel" if num_experts <= KERNEL_WORK_LIST_MAX_EXPERTS else "jnp"
+
+
 def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                 count_tile_loads, sorted_expert_ids=None, per_row=None, item_programs=None):
+                 count_tile_loads, sorted_expert_ids=None, per_row=None, item_programs=None, work_list_impl=None):
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows)
@@ -1026,31 +1171,46 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
     if count_tile_loads:
       return (outs[0][:, 0], *outs[1:])
     return outs[:, 0]
-  work = _work(group_sizes, sorted_expert_ids, a, r)
+  impl = work_list_impl or default_work_list_impl(e)
+  if impl not in WORK_LIST_IMPLS:
+    raise ValueError(f"work_list_impl={work_list_impl!r}: expected one of {WORK_LIST_IMPLS}")
+  if impl == "kernel" and e > KERNEL_WORK_LIST_MAX_EXPERTS:
+    raise ValueError(f"work_list_impl='kernel' takes at most {KERNEL_WORK_LIST_MAX_EXPERTS} experts, got {e}")
+  if sorted_expert_ids is not None:
+    _check_row_ids(sorted_expert_ids, a)
   if padded_rows(a, r) > a:  # the kernel loads R-row blocks at 8-aligned starts
     x_sorted = jnp.pad(x_sorted, ((0, padded_rows(a, r) - a), (0, 0)))
-  w_items = work.expert.shape[0]
+  w_items = max_work_items(e, a, r)
   if item_programs is None:
     item_programs = default_item_programs(e, a if expected_rows is None else expected_rows, w_items)
   if not isinstance(item_programs, int) or item_programs < 1:
     raise ValueError(f"item_programs={item_programs!r} must be a positive int (programs along the work items)")
-  outs = _expert_projections(x_sorted, work.expert, work.block_start, experts, r, dequant, tiles, interpret,
-                             count_tile_loads, work.num_slots, item_programs)
+  if impl == "kernel":
+    outs, kernel_work = _expert_projections(x_sorted, None, None, experts, r, dequant, tiles, interpret,
+                                            count_tile_loads, None, item_programs, sizes=group_sizes, num_rows=a)
+    row_column, routed = kernel_work.row_column, jnp.arange(a) < kernel_work.num_routed[0]
+  else:
+    work = _work(group_sizes, sorted_expert_ids, a, r)
+    outs = _expert_projections(x_sorted, work.expert, work.block_start, experts, r, dequant, tiles, interpret,
+                               count_tile_loads, work.num_slots, item_programs)
+    row_column, routed = work.row_column, work.routed
   out = outs[0] if count_tile_loads else outs
-  # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero.
-  y = _work_rows(out, jnp.clip(work.row_column, 0, w_items * r - 1))
-  y = jnp.where(work.routed[:, None], y, jnp.zeros((), y.dtype)).astype(jnp.bfloat16)
+  # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero (the kernel's
+  # list leaves their columns unwritten: clipped, then selected away).
+  y = _work_rows(out, jnp.clip(row_column, 0, w_items * r - 1))
+  y = jnp.where(routed[:, None], y, jnp.zeros((), y.dtype)).astype(jnp.bfloat16)
   return (y, *outs[1:]) if count_tile_loads else y
 
 
 STATIC_OPTIONS = ("block_rows", "int4_dequant", "expected_rows", "tiles", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("per_row", "item_programs"))
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("per_row", "item_programs", "work_list_impl"))
 def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                 int4_dequant: str | None = None, expected_rows: int | None = None,
                 tiles: KernelTiles | None = None, interpret=None, sorted_expert_ids=None,
-                per_row: bool | None = None, item_programs: int | None = None):
+                per_row: bool | None = None, item_programs: int | None = None,
+                work_list_impl: str | None = None):
   """Routed-expert SwiGLU over expert-sorted rows, reading only the touched experts' weights.
 
   Args:
@@ -1074,8 +1234,8 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
     sorted_expert_ids: optional int[A], each sorted row's expert in ascending order (E or more
-      for padding rows), consistent with ``group_sizes``. Where A <= E the work list is then
-      built from them alone (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
+      for padding rows), consistent with ``group_sizes``. Where A <= E and the list is built in
+      jnp (``work_list_impl``) it is then built from them alone (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
       list, so the same result; ids out of order give zeros, except with per-row items, which
       take each row's id as it is); elsewhere they are not used. The
       model passes them; on the H200 the INT4 layer takes 0.92x the GPU time of the group_sizes
@@ -1086,11 +1246,17 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     item_programs: the sorted path's programs along the work items (static; default
       ``default_item_programs``): each takes item slots g, g + G, ... up to the work list's
       ``num_slots`` (``_visit_items``). The same rows bit for bit whatever it is.
+    work_list_impl: who builds the sorted path's work list (static). "kernel": the gate/up
+      kernel, each program its own slots' items from ``group_sizes`` (``slot_item``), writing
+      the list for the down kernel and the rows' take: no plain-jnp kernels before the first
+      MoE kernel (at most ``KERNEL_WORK_LIST_MAX_EXPERTS`` experts); "jnp": ``work_list``, a
+      few small XLA kernels; None: ``default_work_list_impl``. The same list, so the same rows
+      bit for bit.
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      False, sorted_expert_ids, per_row, item_programs)
+                      False, sorted_expert_ids, per_row, item_programs, work_list_impl)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
@@ -1133,17 +1299,24 @@ def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, 
 
 
 def _expert_projections(x, work_expert, block_start, experts, block_rows, dequant, tiles, interpret,
-                        count_tile_loads=False, num_slots=None, item_programs=None):
+                        count_tile_loads=False, num_slots=None, item_programs=None, sizes=None, num_rows=None):
   """gate/up then down: bf16 x [rows, H] -> bf16 [W * R, H] in the work layout (item w: expert
   work_expert[w], rows x[block_start[w] : block_start[w] + R]), or with a split down kernel its
   chunk sums f32 [C, 1, W, H, R] (``_work_rows`` takes rows of either). ``num_slots`` and
-  ``item_programs``: a compact grid (``_visit_items``) for all kernels."""
+  ``item_programs``: a compact grid (``_visit_items``) for all kernels. With ``sizes`` (and
+  ``num_rows``) in place of the list, the gate/up kernel builds it (``_grouped_kernel``) and the
+  result comes with its ``KernelWork``."""
   tiles = tiles or default_tiles(experts)
-  compact = dict(num_slots=num_slots, item_programs=item_programs)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
-                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order, **compact)
+                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order, item_programs=item_programs)
   h = _grouped_kernel(x, work_expert, block_start, (experts.gate, experts.up), fuse_silu=True,
-                      cfg=tiles.gate_up, **common)
+                      cfg=tiles.gate_up, num_slots=num_slots, sizes=sizes, num_rows=num_rows, **common)
+  work = None
+  if sizes is not None:
+    h, work = h
+    work_expert, num_slots = work.expert, work.num_slots
+  compact = dict(num_slots=num_slots, item_programs=item_programs)
+  common.update(compact)
   h, h_loads = h if count_tile_loads else (h, None)
   if h.ndim == 5:  # split gate/up: its chunk sums, added and through SiLU in a small kernel
     h = _fold_kernel(h, work_expert, num_experts=_num_experts(experts), fuse_silu=True, interpret=interpret,
@@ -1151,8 +1324,8 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
   out = _grouped_kernel(h, work_expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
   if count_tile_loads:
     out, out_loads = out
-    return out, h_loads, out_loads
-  return out
+    out = out, h_loads, out_loads
+  return out if work is None else (out, work)
 
 
 def _work_rows(out, index):
@@ -1169,11 +1342,12 @@ def _work_rows(out, index):
   return total.astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("item_programs",))
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("item_programs", "work_list_impl"))
 def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: int | None = None,
                                 int4_dequant: str | None = None, expected_rows: int | None = None,
                                 tiles: KernelTiles | None = None, interpret=None,
-                                sorted_expert_ids=None, item_programs: int | None = None):
+                                sorted_expert_ids=None, item_programs: int | None = None,
+                                work_list_impl: str | None = None):
   """``moe_experts`` plus the weight tiles each program loaded (the structural check).
 
   Returns:
@@ -1183,7 +1357,7 @@ def moe_experts_with_tile_loads(x_sorted, group_sizes, experts, *, block_rows: i
     programs; 0 where the slot was skipped (its expert -1 or outside [0, E), or past the slots).
   """
   return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      True, sorted_expert_ids, None, item_programs)
+                      True, sorted_expert_ids, None, item_programs, work_list_impl)
 
 
 def reference_experts(x_sorted, group_sizes, experts):

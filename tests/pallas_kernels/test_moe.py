@@ -630,6 +630,93 @@ def test_compact_item_grid_gives_the_same_rows_and_tile_loads(fmt):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_slot_item_equals_work_list_slot_by_slot():
+  # The in-kernel work list's scalar pass against the jnp list, every slot, counts negative and
+    # summing past A included, R a power of two or not.
+  rng = np.random.default_rng(61)
+  for trial in range(30):
+    e, a, r = int(rng.integers(1, 12)), int(rng.integers(1, 80)), int(rng.choice([16, 32, 48, 64]))
+    sizes = rng.multinomial(a, np.ones(e + 1) / (e + 1))[:e].astype(np.int32)
+    if trial % 5 == 0:
+      sizes[0] = -3
+    if trial % 7 == 0:
+      sizes[-1] += 9
+    work = moe.work_list(jnp.asarray(sizes), a, r)
+    last_window = moe.padded_rows(a, r) - r
+    for w in range(work.expert.shape[0]):
+      item, num_slots, rows = moe.slot_item(jnp.asarray(sizes), jnp.int32(w), block_rows=r, last_window=last_window)
+      assert [int(v) for v in item] == [int(work.expert[w]), int(work.first_row[w]), int(work.num_rows[w]),
+                                        int(work.block_start[w])], (sizes, a, r, w)
+      assert int(num_slots) == int(work.num_slots[0]) and int(rows) == int(np.maximum(sizes, 0).sum())
+
+
+def kernel_list_case(rng, fmt, case):
+  """(x, group_sizes, experts) for the work-list comparisons: random routing with padding, all
+  rows on one expert, or counts negative and summing past A."""
+  experts = as_format(random_weights(int(rng.integers(1000))), fmt)
+  if case == "random":
+    order, sizes = routing(rng, 14, 2, E, allowed=(0, 2, 3, 5), num_padded=3)
+    return sorted_rows(rng, order, sizes, H), jnp.asarray(sizes), experts
+  sizes = np.array([0, 0, 40, 0, 0, 0] if case == "one_expert" else [10, -4, 20, 0, 0, 12], np.int32)
+  return jnp.asarray(rng.standard_normal((40, H)), jnp.bfloat16), jnp.asarray(sizes), experts
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_kernel_work_list_gives_the_jnp_lists_rows_and_tile_loads(fmt):
+  """work_list_impl="kernel" (the gate/up kernel finds its items and writes the list for the down
+  kernel and the take) against "jnp": the same rows bit for bit and the same tile loads per
+  (tile, slot), with a program per slot and on compact grids, the gate/up split into chunks too
+  (bf16: two chunks of K)."""
+  rng = np.random.default_rng(67)
+  for case in ("random", "one_expert", "cut"):
+    x, g, experts = kernel_list_case(rng, fmt, case)
+    grids = ((10**6, False), (2, False), (1, True)) if case == "random" else ((2, False),)
+    for item_programs, split in grids:
+      tiles = chunked_tiles(fmt, split, False)
+      kw = dict(block_rows=16, interpret=INTERPRET, item_programs=item_programs, tiles=tiles)
+      want = moe.moe_experts_with_tile_loads(x, g, experts, work_list_impl="jnp", **kw)
+      got = moe.moe_experts_with_tile_loads(x, g, experts, work_list_impl="kernel", **kw)
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=case)
+    sizes = np.maximum(np.asarray(g), 0)
+    ends = np.minimum(np.cumsum(sizes), len(x))
+    cut = np.diff(ends, prepend=0).astype(np.int32)
+    assert_close(got[0], reference(x, cut, experts), int(cut.sum()))
+
+
+def top_level_reductions(fn, *args) -> int:
+  """Reductions and sorts in ``fn``'s jaxpr outside the Pallas kernels (plain-jnp work around them)."""
+  def walk(jaxpr):
+    count = 0
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      if name.startswith("reduce_") or name in ("cumsum", "sort"):
+        count += 1
+      if name in ("mpmd_map", "pallas_call"):
+        continue
+      for param in eqn.params.values():
+        inner = getattr(param, "jaxpr", param)
+        if hasattr(inner, "eqns"):
+          count += walk(inner)
+    return count
+  return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_kernel_work_list_leaves_no_plain_jnp_list_and_is_checked():
+  rng = np.random.default_rng(71)
+  x, g, experts = kernel_list_case(rng, "bf16", "random")
+  call = lambda impl: (lambda x, g: moe.moe_experts(x, g, experts, block_rows=16, interpret=INTERPRET,
+                                                    work_list_impl=impl))
+  assert top_level_reductions(call("kernel"), x, g) == 0
+  assert top_level_reductions(call("jnp"), x, g) > 0  # the check can see the jnp list's sums
+  assert moe.default_work_list_impl(48) == "kernel" and moe.default_work_list_impl(384) == "jnp"
+  with pytest.raises(ValueError, match="work_list_impl='fast'"):
+    moe.moe_experts(x, g, experts, interpret=INTERPRET, work_list_impl="fast")
+  many = moe.Bf16Experts(*(jnp.zeros((65, *w.shape[1:]), w.dtype) for w in experts))
+  with pytest.raises(ValueError, match="at most 64 experts"):
+    moe.moe_experts(x, jnp.zeros(65, jnp.int32), many, interpret=INTERPRET, work_list_impl="kernel", per_row=False)
+
+
 def test_chunk_options_are_checked():
   with pytest.raises(ValueError, match="split_k needs chunk_k"):
     moe.TileConfig(64, 4, split_k=True)
@@ -951,6 +1038,26 @@ def test_gpu_split_and_compact_grids_give_the_same_rows_at_kimi_widths(gpu, fmt,
                           item_programs=8)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(full, np.float32))
     assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant", FORMATS)
+def test_gpu_kernel_work_list_gives_the_jnp_lists_rows(gpu, fmt, dequant):
+  """The work list built in the gate/up kernel on the real kernels at K2.6's widths (16 experts,
+  2 and 9 tokens of top-8 with padded rows, compact and full grids, the split gate/up at 2 tokens
+  for INT4): rows and tile loads bit for bit those of the jnp list; close to the reference."""
+  e = 16
+  experts = as_format(random_weights(73, num_experts=e, hidden=7168, inter=2048, scale=0.02), fmt)
+  rng = np.random.default_rng(73)
+  for num_tokens, item_programs in ((2, 8), (9, 8), (9, 10**6)):
+    order, sizes = routing(rng, num_tokens, 8, e, num_padded=1)
+    x, g = sorted_rows(rng, order, sizes, 7168), jnp.asarray(sizes)
+    kw = dict(int4_dequant=dequant, expected_rows=num_tokens, item_programs=item_programs)
+    want = moe.moe_experts_with_tile_loads(x, g, experts, work_list_impl="jnp", **kw)
+    got = moe.moe_experts_with_tile_loads(x, g, experts, work_list_impl="kernel", **kw)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert_close(got[0], reference(x, sizes, experts), int(sizes.sum()))
 
 
 @pytest.mark.gpu
