@@ -327,7 +327,7 @@ def balanced_experts(x_sorted, group_sizes, experts, *, programs: int, expected_
                             grid_order=tiles.grid_order, num_slots=work.num_slots,
                             item_programs=moe.default_item_programs(e, rows, w_items))
   out, out_loads = out if count_tile_loads else (out, None)
-  y = moe._work_rows(out, jnp.clip(work.row_column, 0, w_items * r - 1))
+  y = moe._work_rows(out, jnp.clip(work.row_column, 0, w_items * r - 1), x_sorted.shape[1])
   y = jnp.where(work.routed[:, None], y, jnp.zeros((), y.dtype)).astype(jnp.bfloat16)
   return (y, h_loads, out_loads) if count_tile_loads else y
 

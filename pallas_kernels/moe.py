@@ -705,9 +705,9 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       0) for the kernels after it.
   Returns:
     bf16 [W * R, N]; or, where ``cfg.split_k`` and K has more than one chunk, the chunks'
-    float32 sums [C, len(weights), W, N, R] (item w's chunk c of weight i at [c, i, w], features
-    by rows as the MMA makes them; not through SiLU: ``_fold_kernel`` or ``_work_rows`` adds
-    them). Plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps inside K
+    float32 sums [C, len(weights), W, ceil(N / 64) * 64, R] (item w's chunk c of weight i at
+    [c, i, w], features by rows as the MMA makes them, zero past N; not through SiLU:
+    ``_fold_kernel`` or ``_work_rows`` adds them). Plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps inside K
     (each loading one tile of every weight) per (output tile, item), summed over chunk programs;
     0 where the item is skipped.
   """
@@ -878,7 +878,10 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       _visit_items(item, skip, w_items, item_programs, slots_ref[0] if compact else None)
 
   if split:
-    out_types = [jax.ShapeDtypeStruct((chunks, num_w, w_items, n_out, r), jnp.float32)]
+    # Whole output tiles (zero past N): a [TILE_N, R] chunk-sum tile is a contiguous, unswizzled
+    # slice, which Mosaic GPU stores by a plain bulk copy clamped only at the array's end, so a
+    # tile running past N would write into the next item's features (interpret mode clips it).
+    out_types = [jax.ShapeDtypeStruct((chunks, num_w, w_items, n_tiles * TILE_N, r), jnp.float32)]
     scratch = [plgpu.SMEM((TILE_N, r), jnp.float32) for _ in range(num_w)]
   else:
     out_types = [jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16)]
@@ -954,13 +957,16 @@ def _visit_items(item, skip, w_items: int, item_programs, num_slots, first=None)
   lax.fori_loop(start, pl.cdiv(w_items, item_programs), visit, jnp.int32(0))
 
 
-def _fold_kernel(partials, work_expert, *, num_experts: int, fuse_silu: bool, interpret, num_slots=None,
+def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_silu: bool, interpret, num_slots=None,
                  item_programs: int | None = None):
   """Adds ``_grouped_kernel``'s chunk sums in chunk order, ((0 + c0) + c1) + ..., as its unsplit
-  programs do, then SiLU(gate) * up (or takes the one weight's sum): f32 [C, num_w, W, N, R] ->
-  bf16 [W * R, N] in the work layout; items outside [0, E) are skipped, their rows unwritten.
-  ``num_slots``, ``item_programs``: a compact grid, as ``_grouped_kernel``'s."""
-  chunks, num_w, w_items, n_out, r = partials.shape
+  programs do, then SiLU(gate) * up (or takes the one weight's sum): f32 [C, num_w, W, N', R] (N'
+  = N in whole output tiles) -> bf16 [W * R, N] in the work layout; items outside [0, E) are
+  skipped, their rows unwritten. ``num_slots``, ``item_programs``: a compact grid, as
+  ``_grouped_kernel``'s."""
+  chunks, num_w, w_items, n_padded, r = partials.shape
+  if n_padded != pl.cdiv(n_out, TILE_N) * TILE_N:
+    raise ValueError(f"partials hold {n_padded} features, not N = {n_out} in whole tiles of {TILE_N}")
   if chunks * num_w * r * TILE_N * 4 + r * TILE_N * 2 > SMEM_BUDGET:
     raise ValueError(f"split_k with block_rows={r} and {chunks} chunks does not fit shared memory; "
                      "use fewer rows per work item or split_k=False")
@@ -1125,7 +1131,8 @@ def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret,
                              count_tile_loads)
   out = outs[0] if count_tile_loads else outs
   live = ((ids >= 0) & (ids < e))[:, None]
-  y = jnp.where(live, _work_rows(out, jnp.asarray(position)), jnp.zeros((), jnp.bfloat16)).reshape(m, k, -1)
+  y = jnp.where(live, _work_rows(out, jnp.asarray(position), tokens.shape[1]), jnp.zeros((), jnp.bfloat16))
+  y = y.reshape(m, k, -1)
   return (y, *outs[1:]) if count_tile_loads else y
 
 
@@ -1197,7 +1204,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
   out = outs[0] if count_tile_loads else outs
   # Back from the work layout to sorted rows; rows past sum(group_sizes) are zero (the kernel's
   # list leaves their columns unwritten: clipped, then selected away).
-  y = _work_rows(out, jnp.clip(row_column, 0, w_items * r - 1))
+  y = _work_rows(out, jnp.clip(row_column, 0, w_items * r - 1), x_sorted.shape[1])
   y = jnp.where(routed[:, None], y, jnp.zeros((), y.dtype)).astype(jnp.bfloat16)
   return (y, *outs[1:]) if count_tile_loads else y
 
@@ -1319,8 +1326,8 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
   common.update(compact)
   h, h_loads = h if count_tile_loads else (h, None)
   if h.ndim == 5:  # split gate/up: its chunk sums, added and through SiLU in a small kernel
-    h = _fold_kernel(h, work_expert, num_experts=_num_experts(experts), fuse_silu=True, interpret=interpret,
-                     **compact)
+    h = _fold_kernel(h, work_expert, n_out=_weight_dims((experts.gate,), tiles.gate_up.block_k)[2],
+                     num_experts=_num_experts(experts), fuse_silu=True, interpret=interpret, **compact)
   out = _grouped_kernel(h, work_expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
   if count_tile_loads:
     out, out_loads = out
@@ -1328,17 +1335,18 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
   return out if work is None else (out, work)
 
 
-def _work_rows(out, index):
-  """bf16 rows ``index`` (int[M], positions in the work layout [W * R]) of the down kernel's
-  result: bf16 [W * R, H], or its chunk sums f32 [C, 1, W, H, R] added in chunk order as an
-  unsplit program adds them (XLA fuses the adds into the gather: only the taken rows are read)."""
+def _work_rows(out, index, n_out: int):
+  """bf16 [M, n_out]: rows ``index`` (int[M], positions in the work layout [W * R]) of the down
+  kernel's result: bf16 [W * R, H], or its chunk sums f32 [C, 1, W, H', R] (H' = H in whole output
+  tiles) added in chunk order as an unsplit program adds them (XLA fuses the adds into the gather:
+  only the taken rows are read)."""
   if out.ndim == 2:
     return jnp.take(out, index, axis=0)
   r = out.shape[-1]
   item, row = index // r, index % r
-  total = out[0, 0, item, :, row]
+  total = out[0, 0, item, :n_out, row]
   for c in range(1, out.shape[0]):
-    total = total + out[c, 0, item, :, row]
+    total = total + out[c, 0, item, :n_out, row]
   return total.astype(jnp.bfloat16)
 
 

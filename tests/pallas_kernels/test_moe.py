@@ -607,6 +607,23 @@ def test_split_chunks_give_the_one_program_rows_bit_for_bit(fmt):
   assert (np.asarray(pairs[0], np.float32)[0, 1] == 0).all()
 
 
+def test_split_chunk_sums_hold_whole_output_tiles():
+  # A [64, R] chunk-sum tile is a contiguous, unswizzled slice of the partials, which Mosaic GPU
+  # stores with a plain bulk copy clamped only at the array's end (interpret mode clips each
+  # dimension): with N = I = 288 the last tile would spill into the next item's features on the
+  # GPU. So the partials hold N in whole tiles, zero past it, and the fold reads them back.
+  x, sizes, experts, dims = chunk_case("int4", seed=51)
+  work = moe.work_list(jnp.asarray(sizes), x.shape[0], 16)
+  x = jnp.pad(jnp.nan_to_num(x), ((0, moe.padded_rows(x.shape[0], 16) - x.shape[0]), (0, 0)))  # finite padding rows
+  parts = moe._grouped_kernel(x, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
+                              cfg=chunked_tiles("int4", True).gate_up, block_rows=16, int4_dequant="smem",
+                              count_tile_loads=False, interpret=INTERPRET, grid_order="tile_minor")
+  inter = dims["inter"]
+  assert inter % moe.TILE_N and parts.shape[3] == -(-inter // moe.TILE_N) * moe.TILE_N
+  live = np.asarray(parts)[:, :, np.asarray(work.expert) >= 0]
+  assert np.isfinite(live).all() and (live[:, :, :, inter:] == 0).all() and (live[:, :, :, :inter] != 0).any()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_compact_item_grid_gives_the_same_rows_and_tile_loads(fmt):
   """G programs along the items, each taking slots g, g + G, ... below the list's slot count: the
