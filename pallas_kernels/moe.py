@@ -706,7 +706,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   Returns:
     bf16 [W * R, N]; or, where ``cfg.split_k`` and K has more than one chunk, the chunks'
     float32 sums [C, len(weights), W, ceil(N / 64) * 64, R] (item w's chunk c of weight i at
-    [c, i, w], features by rows as the MMA makes them, zero past N; not through SiLU:
+    [c, i, w], features by rows as the MMA makes them, unused past N; not through SiLU:
     ``_fold_kernel`` or ``_work_rows`` adds them). Plus, when ``count_tile_loads``, int32 [ceil(N / 64), W]: pipeline steps inside K
     (each loading one tile of every weight) per (output tile, item), summed over chunk programs;
     0 where the item is skipped.
@@ -878,9 +878,10 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       _visit_items(item, skip, w_items, item_programs, slots_ref[0] if compact else None)
 
   if split:
-    # Whole output tiles (zero past N): a [TILE_N, R] chunk-sum tile is a contiguous, unswizzled
-    # slice, which Mosaic GPU stores by a plain bulk copy clamped only at the array's end, so a
-    # tile running past N would write into the next item's features (interpret mode clips it).
+    # Whole output tiles (the features past N never read): a [TILE_N, R] chunk-sum tile is a
+    # contiguous, unswizzled slice, which Mosaic GPU stores by a plain bulk copy clamped only at
+    # the array's end, so a tile running past N would write into the next item's features
+    # (interpret mode clips it per dimension).
     out_types = [jax.ShapeDtypeStruct((chunks, num_w, w_items, n_tiles * TILE_N, r), jnp.float32)]
     scratch = [plgpu.SMEM((TILE_N, r), jnp.float32) for _ in range(num_w)]
   else:
