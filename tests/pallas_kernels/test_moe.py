@@ -611,8 +611,8 @@ def test_split_chunk_sums_hold_whole_output_tiles():
   # A [64, R] chunk-sum tile is a contiguous, unswizzled slice of the partials, which Mosaic GPU
   # stores with a plain bulk copy clamped only at the array's end (interpret mode clips each
   # dimension): with N = I = 288 the last tile would spill into the next item's features on the
-  # GPU. So the partials hold N in whole tiles (zero past it here; on the GPU an INT4 scale tile
-  # past N may read other features' scales, and the fold and the take never read those).
+  # GPU. So the partials hold N in whole tiles, zero past it (the weight loads past N are
+  # zero-filled: Pallas's loads take the tensor copy, which clips per dimension), unread there.
   x, sizes, experts, dims = chunk_case("int4", seed=51)
   work = moe.work_list(jnp.asarray(sizes), x.shape[0], 16)
   x = jnp.pad(jnp.nan_to_num(x), ((0, moe.padded_rows(x.shape[0], 16) - x.shape[0]), (0, 0)))  # finite padding rows
