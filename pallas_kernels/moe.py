@@ -1138,12 +1138,12 @@ def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret,
 
 
 def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> WorkList:
-  """The work list from the row ids where given and there are no more rows than experts (the
-  [A, A] form is then the smaller), else from group_sizes; both give the same list."""
+  """The work list from the row ids (checked by the caller) where given and there are no more rows
+  than experts (the [A, A] form is then the smaller), else from group_sizes; both give the same
+  list."""
   e = group_sizes.shape[0]
   if sorted_expert_ids is None:
     return work_list(group_sizes, num_rows, block_rows)
-  _check_row_ids(sorted_expert_ids, num_rows)
   # Where A <= E the ids alone decide the list (group_sizes gives only E); the caller keeps them
   # consistent with group_sizes.
   if num_rows <= e:
