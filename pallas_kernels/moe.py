@@ -42,8 +42,9 @@ the experts touched. Here work follows them:
   which already owns them: they cost O(A * H) against the O(touched * H * I) weight stream.
 * **Compact grid** (sorted path, ``_visit_items``): the work list's length is a static bound far
   above the live items where few experts are touched, so the grid holds ``item_programs`` (about
-  twice the expected experts) programs along the items, each taking slots g, g + G, ... below the
-  list's slot count (read on the device); the slots past it cost nothing.
+  1.25 or 2 times the expected experts: ``ITEM_PROGRAMS_PER_EXPERT``) programs along the items,
+  each taking slots g, g + G, ... below the list's slot count (read on the device); the slots past
+  it cost nothing.
 * **Chunks of K and the split** (``TileConfig.chunk_k``, ``split_k``; INT4's gate/up): a program
   sums K in fixed chunks of ``CHUNK_K`` features, each from zero in the MMA, and adds the chunks'
   sums in order. Where one program per (output tile, item) would leave SMs idle (the 48-expert
@@ -68,9 +69,10 @@ packed layout pads K to a multiple of 256 with zero weights).
 Measured on the H200 (``benchmarks/results/bench_moe.md``, one K2.6 layer, random top-8, 16 calls
 in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_order``'s default):
 bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
-88-95% for T = 9..136 with the 48-expert share; INT4 at 62-71% for T = 9..136 with 384 experts
-(63% at T = 1 with per-pair items, 54% with the sorted work list) and 53-71% for T = 9..136 with
-48, 23% at T = 1 (``moe_waves.md``: what bounds the share's small T). Where few experts are
+88-95% for T = 9..136 with the 48-expert share; INT4 at 60-75% for T = 9..136 with 384 experts
+(the spread of runs of the same code; 63% at T = 1 with per-pair items, 54% with the sorted work
+list) and 52-70% for T = 9..136 with 48, 23% at T = 1 (``moe_waves.md``: what bounds the share's
+small T). Where few experts are
 touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172
 registers a thread, so two programs and two warps per scheduler) ncu reads DRAM at 61% of its
 peak and the schedulers issuing in 57% of cycles, with 0.81 eligible warps; a third pipeline
@@ -137,14 +139,25 @@ def default_block_rows(num_experts: int, num_rows: int) -> int:
 
 
 ITEM_PROGRAMS_MIN = 8
+# Programs along the items per expected touched expert: fewer where the gate/up kernel builds the
+# work list (every program, dead or live, runs ``slot_item``'s pass over the experts). Same-run
+# H200 comparisons, 2026-11-30, GPU us a call, INT4 (``moe_dequant_form.md``; scratch A/B runs,
+# README): at the 48-expert share 1.25 against 2 takes T = 5 from 58.6 to 55.4 and T = 9 (with
+# the serial form) from 88.6 to 83.5, T = 13..33 within 0.3%, T = 65 and 136 within 1.3%; at 384
+# experts (the jnp list) 1.25 was 10% slower at T = 33 (1702 against 1551 us) and 5% faster at T =
+# 17 (931 against 981) in two runs. bf16: within 0.3% either way at both expert counts. A routing
+# that touches more experts than the grid holds runs a second round.
+ITEM_PROGRAMS_PER_EXPERT = {"kernel": 1.25, "jnp": 2.0}
 
 
-def default_item_programs(num_experts: int, expected_rows: int, w_items: int) -> int:
-  """Programs along the work items of the sorted path (``_visit_items``): twice the experts a step
-  of ``expected_rows`` is expected to touch (an expert's rows usually fit one item; the margin
-  covers routings that touch more), at least ``ITEM_PROGRAMS_MIN``; all W slots where that is
-  no fewer."""
-  return min(w_items, max(ITEM_PROGRAMS_MIN, int(np.ceil(2 * expected_touched(num_experts, expected_rows)))))
+def default_item_programs(num_experts: int, expected_rows: int, w_items: int, work_list_impl: str = "jnp") -> int:
+  """Programs along the work items of the sorted path (``_visit_items``):
+  ``ITEM_PROGRAMS_PER_EXPERT[work_list_impl]`` times the experts a step of ``expected_rows`` is
+  expected to touch (an expert's rows usually fit one item; the margin covers routings that touch
+  more), at least ``ITEM_PROGRAMS_MIN``; all W slots where that is no fewer."""
+  touched = expected_touched(num_experts, expected_rows)
+  scale = ITEM_PROGRAMS_PER_EXPERT[work_list_impl]
+  return min(w_items, max(ITEM_PROGRAMS_MIN, int(np.ceil(scale * touched))))
 
 
 class WorkList(NamedTuple):
@@ -1060,19 +1073,20 @@ def _check_inputs(x_sorted, group_sizes, experts):
 
 
 # With draining after each weight the INT4 gate/up kernel needs 114 registers a thread (4 programs
-# an SM) against 194 (2 an SM) when both weights' MMAs are in flight (ptxas, H200). Where the grid
-# holds enough programs to fill 4 an SM, the occupancy pays; with few programs each one's serial
-# chain is all there is. Same run (bench_moe.md): 3-8% faster at T = 17 and 136 with 384 experts
-# and at T = 136 with 48 (45+ experts touched); slower at 48 experts, T = 1 (88 vs 65 us) and
-# T = 17 (187 vs 182 us, 14 touched). The kernel alone on 9-12 live items and no dead slots, the
-# serial form is 13-21% faster (``moe_dead_tail.md``), but with the compact grid of the sorted path
-# (no dead slots in the call either) it was not: 48 experts, T = 9, 92.3 vs 89.2 us; T = 17, 134.2
-# vs 134.9 (one H200 run, 2026-11-30).
-SERIAL_PROGRAMS_PER_SM = 4
+# an SM) against 194 (2 an SM) when both weights' MMAs are in flight (ptxas, H200). Where the
+# "registers" form would need a second wave (more than 2 programs an SM), the occupancy pays; with
+# fewer programs each one's serial chain is all there is. At the 48-expert share, with the work
+# list in the gate/up kernel and its compact grid (one H200 run, 2026-11-30, ``moe_dequant_form.md``;
+# GPU us a call, registers vs serial): T = 5 (~150 programs expected) 55.4 vs 56.7, T = 9 (~265)
+# 87.8 vs 83.5, T = 13 107.7 vs 107.4, T = 17 127.6 vs 123.9, T = 33 205.5 vs 198.3, T = 65 287.8
+# vs 279.0, T = 136 370.4 vs 356.5. (4 an SM until then, from an earlier kernel that ran T = 17 at
+# 187 us serial against 182.)
+SERIAL_PROGRAMS_PER_SM = 2
 
 
 def default_int4_dequant(num_experts: int, expected_rows: int, inter: int) -> str:
-  """'registers_serial' where the gate/up grid is expected to hold >= 4 live programs per SM."""
+  """'registers_serial' where the gate/up grid is expected to hold >= ``SERIAL_PROGRAMS_PER_SM``
+  live programs per SM."""
   programs = expected_touched(num_experts, expected_rows) * pl.cdiv(inter, TILE_N)
   return "registers_serial" if programs >= SERIAL_PROGRAMS_PER_SM * num_sms() else "registers"
 
@@ -1190,7 +1204,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
     x_sorted = jnp.pad(x_sorted, ((0, padded_rows(a, r) - a), (0, 0)))
   w_items = max_work_items(e, a, r)
   if item_programs is None:
-    item_programs = default_item_programs(e, a if expected_rows is None else expected_rows, w_items)
+    item_programs = default_item_programs(e, a if expected_rows is None else expected_rows, w_items, impl)
   if not isinstance(item_programs, int) or item_programs < 1:
     raise ValueError(f"item_programs={item_programs!r} must be a positive int (programs along the work items)")
   if impl == "kernel":

@@ -416,7 +416,8 @@ def test_default_int4_form_follows_the_expected_programs_per_sm():
   # 132 SMs off the GPU; gate/up has ceil(2048 / 64) = 32 output tiles per touched expert.
   assert moe.default_int4_dequant(384, 8, 2048) == "registers"  # T = 1: ~8 experts, 253 programs
   assert moe.default_int4_dequant(384, 136, 2048) == "registers_serial"  # T = 17: ~115 experts
-  assert moe.default_int4_dequant(48, 17, 2048) == "registers"  # the EP share at T = 17: ~14 experts
+  assert moe.default_int4_dequant(48, 5, 2048) == "registers"  # the EP share at T = 5: ~4.8 experts, 154 programs
+  assert moe.default_int4_dequant(48, 9, 2048) == "registers_serial"  # T = 9: ~8.3 experts, 265 programs
   assert moe.default_int4_dequant(48, 136, 2048) == "registers_serial"  # ~45 experts, 1450 programs
 
 
@@ -746,7 +747,9 @@ def test_chunk_options_are_checked():
 
 
 def test_default_item_programs_follow_the_expected_experts():
-  assert moe.default_item_programs(48, 9, 73) == 17  # the EP share at T = 9: ~8.2 experts
+  assert moe.default_item_programs(48, 9, 73, "kernel") == 11  # the EP share at T = 9: ~8.3 experts
+  assert moe.default_item_programs(48, 9, 73, "jnp") == 17
+  assert moe.default_item_programs(48, 9, 73) == 17  # the jnp list's by default
   assert moe.default_item_programs(48, 1, 55) == moe.ITEM_PROGRAMS_MIN
   assert moe.default_item_programs(48, 1, 5) == 5  # never more than the slots
   assert moe.default_item_programs(384, 1088, 620) == 620  # T = 136: ~363 experts, no compaction
