@@ -11,6 +11,8 @@ the experts touched. Here work follows them:
 
 * **Per-pair items** (``moe_experts_per_row``; ``moe_experts`` at A <= ``PER_ROW_MAX_ROWS``): one
   token's rows (top-8: distinct experts) are each their own item, with no work list at all (below).
+  With ``item_programs`` below the pairs, a compact grid whose programs find the live pairs in
+  their prologue (``_live_first``): the dead pairs of a step launch no programs of their own.
 * **Work list** (``work_list`` in plain jnp, or the gate/up kernel itself: below): each non-empty
   expert's rows are covered by
   windows of ``block_rows`` (R) rows of x_sorted, starting at its first row rounded down to 8 (the
@@ -698,7 +700,7 @@ class KernelWork(NamedTuple):
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
                     grid_order: str, num_slots=None, item_programs: int | None = None, sizes=None,
-                    num_rows: int | None = None):
+                    num_rows: int | None = None, live_first: bool = False):
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
@@ -710,7 +712,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     fuse_silu: with two weights, write silu(x @ w0) * (x @ w1).
     num_slots, item_programs: a compact grid (``_visit_items``): ``item_programs`` (static) G < W
       programs along the items, each taking slots g, g + G, ... below ``num_slots`` (int32[1],
-      on the device; every slot from there on is -1).
+      on the device; every slot from there on is -1). With ``live_first`` (per-pair items) the
+      count is found in the kernel instead: slot s is the s-th item of ``_live_first``'s order.
     sizes: int32[E], the experts' row counts, in place of ``work_expert``, ``block_start`` and
       ``num_slots`` (all None): each program computes its slots' items (``slot_item``) over
       ``work_list``'s W slots for ``num_rows`` rows (x may hold padding rows past them), and the
@@ -755,7 +758,9 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   acc_bytes = TILE_N * r * 4
   fixed_smem = (num_w * acc_bytes if (split or fold_in_step) else 0) + (0 if split else r * TILE_N * 2)
   stages = _fit_stages(cfg, num_w, is_int4, smem_dequant, r, fixed_smem)
-  compact = _compact(w_items, num_slots, item_programs, in_kernel_list)
+  compact = _compact(w_items, num_slots, item_programs, in_kernel_list or live_first)
+  if live_first and (in_kernel_list or num_slots is not None):
+    raise ValueError("live_first finds the live items itself: it takes neither sizes nor num_slots")
   pipe = dict(is_int4=is_int4, bk=bk, k_steps=k_steps, x_atom=x_atom, stages=stages, int4_dequant=int4_dequant)
 
   def body(*refs):
@@ -763,7 +768,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
       sizes_ref, *refs = refs
     else:
       expert_ref, *refs = refs
-      if compact:
+      if compact and not live_first:
         slots_ref, *refs = refs
       if direct:
         start_ref, *refs = refs
@@ -887,6 +892,9 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
                      first=lambda: item(g, first))
       else:
         item(g, first)
+    elif live_first and compact:
+      live, item_of = _live_first(expert_ref, w_items, num_experts)
+      _visit_items(lambda slot: item(item_of(slot)), lambda slot: skip(item_of(slot)), w_items, item_programs, live)
     else:
       _visit_items(item, skip, w_items, item_programs, slots_ref[0] if compact else None)
 
@@ -921,8 +929,8 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
     outs = kernel(sizes.astype(jnp.int32), x, *flat_weights)
     outs, work = outs[:-4], KernelWork(*outs[-4:])
   else:
-    outs = kernel(work_expert, *((num_slots,) if compact else ()), *((block_start,) if direct else ()), x,
-                  *flat_weights)
+    outs = kernel(work_expert, *((num_slots,) if compact and not live_first else ()),
+                  *((block_start,) if direct else ()), x, *flat_weights)
     work = None
   if count_tile_loads:
     out, loads = outs
@@ -932,12 +940,39 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   return (result, work) if in_kernel_list else result
 
 
-def _compact(w_items: int, num_slots, item_programs, in_kernel_list: bool = False) -> bool:
+def _compact(w_items: int, num_slots, item_programs, counted_in_kernel: bool = False) -> bool:
   if item_programs is None or item_programs >= w_items:
     return False
-  if (num_slots is None and not in_kernel_list) or item_programs < 1:
+  if (num_slots is None and not counted_in_kernel) or item_programs < 1:
     raise ValueError(f"item_programs={item_programs} needs num_slots and must be >= 1")
   return True
+
+
+# Per-pair items on a compact grid find their live items by an unrolled pass over all W items in
+# every program; past this many the pass would outgrow the prologue (and the sorted work list is
+# the better path anyway).
+LIVE_FIRST_MAX_ITEMS = 16
+
+
+def _live_first(expert_ref, w_items: int, num_experts: int):
+  """(live items: int32 scalar, slot -> item): per-pair items in the order live ones (expert in
+  [0, E)) by index, then the others by index, so that a compact grid's first slots are the live
+  items and its later ones each dead item once (``skip`` zeroes their tile-load counts). One
+  unrolled scalar pass over the W ids for the count, one per slot for its item."""
+  live = []
+  for w in range(w_items):
+    expert = expert_ref[w]
+    live.append(((expert >= 0) & (expert < num_experts)).astype(jnp.int32))
+  count = functools.reduce(lambda a, b: a + b, live)
+
+  def item_of(slot):
+    item, live_rank, dead_rank = jnp.int32(0), jnp.int32(0), count
+    for w, is_live in enumerate(live):
+      rank = jnp.where(is_live > 0, live_rank, dead_rank)
+      item = jnp.where(rank == slot, jnp.int32(w), item)
+      live_rank, dead_rank = live_rank + is_live, dead_rank + 1 - is_live
+    return item
+  return count, item_of
 
 
 def _visit_items(item, skip, w_items: int, item_programs, num_slots, first=None):
@@ -972,11 +1007,11 @@ def _visit_items(item, skip, w_items: int, item_programs, num_slots, first=None)
 
 
 def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_silu: bool, interpret, num_slots=None,
-                 item_programs: int | None = None):
+                 item_programs: int | None = None, live_first: bool = False):
   """Adds ``_grouped_kernel``'s chunk sums in chunk order, ((0 + c0) + c1) + ..., as its unsplit
   programs do, then SiLU(gate) * up (or takes the one weight's sum): f32 [C, num_w, W, N', R] (N'
   = N in whole output tiles) -> bf16 [W * R, N] in the work layout; items outside [0, E) are
-  skipped, their rows unwritten. ``num_slots``, ``item_programs``: a compact grid, as
+  skipped, their rows unwritten. ``num_slots``, ``item_programs``, ``live_first``: a compact grid, as
   ``_grouped_kernel``'s."""
   chunks, num_w, w_items, n_padded, r = partials.shape
   if n_padded != pl.cdiv(n_out, TILE_N) * TILE_N:
@@ -985,10 +1020,10 @@ def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_si
     raise ValueError(f"split_k with block_rows={r} and {chunks} chunks does not fit shared memory; "
                      "use fewer rows per work item or split_k=False")
   out_atom = _swizzle_elems(n_out, TILE_N)
-  compact = _compact(w_items, num_slots, item_programs)
+  compact = _compact(w_items, num_slots, item_programs, live_first)
 
   def body(expert_ref, *refs):
-    if compact:
+    if compact and not live_first:
       slots_ref, *refs = refs
     part_ref, out_ref, part_smem, out_smem, barrier = refs
     n = lax.axis_index("n")
@@ -1013,7 +1048,11 @@ def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_si
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(w * r, r), pl.ds(n * TILE_N, TILE_N)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    _visit_items(item, lambda w: None, w_items, item_programs, slots_ref[0] if compact else None)
+    if live_first and compact:
+      live, item_of = _live_first(expert_ref, w_items, num_experts)
+      _visit_items(lambda slot: item(item_of(slot)), lambda slot: None, w_items, item_programs, live)
+    else:
+      _visit_items(item, lambda w: None, w_items, item_programs, slots_ref[0] if compact else None)
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((w_items * r, n_out), jnp.bfloat16),
@@ -1024,7 +1063,7 @@ def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_si
                      plgpu.Barrier(num_arrivals=chunks)],
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(work_expert, *((num_slots,) if compact else ()), partials)
+  return kernel(work_expert, *((num_slots,) if compact and not live_first else ()), partials)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1135,15 +1174,29 @@ def _check_row_ids(sorted_expert_ids, num_rows: int):
                      f"expert), got {sorted_expert_ids.dtype}{list(sorted_expert_ids.shape)}")
 
 
-def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret, count_tile_loads):
+def _check_item_programs(item_programs):
+  if item_programs is not None and (isinstance(item_programs, bool) or not isinstance(item_programs, int)
+                                    or item_programs < 1):
+    raise ValueError(f"item_programs={item_programs!r} must be a positive int (programs along the work items)")
+
+
+def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret, count_tile_loads,
+             item_programs=None):
   """Per-pair items (``PER_ROW_MAX_ROWS``): bf16 tokens [M, H], int expert_ids [M, K] ->
-  bf16 [M, K, H], zero where the id is outside [0, E)."""
+  bf16 [M, K, H], zero where the id is outside [0, E). ``item_programs`` G below the M x K pairs:
+  a compact grid whose G programs along the items take the live pairs first (``_live_first``)."""
   m, k = expert_ids.shape
   e = _num_experts(experts)
+  _check_item_programs(item_programs)
   block_start, position = per_row_layout(m, k, block_rows)
   ids = expert_ids.reshape(-1).astype(jnp.int32)
+  live_first = item_programs is not None and item_programs < ids.size
+  if live_first and ids.size > LIVE_FIRST_MAX_ITEMS:
+    raise ValueError(f"item_programs={item_programs} below the {ids.size} pairs: a compact grid over per-pair "
+                     f"items takes at most {LIVE_FIRST_MAX_ITEMS} pairs (leave item_programs unset)")
   outs = _expert_projections(tokens, ids, jnp.asarray(block_start), experts, block_rows, dequant, tiles, interpret,
-                             count_tile_loads)
+                             count_tile_loads, item_programs=item_programs if live_first else None,
+                             live_first=live_first)
   out = outs[0] if count_tile_loads else outs
   live = ((ids >= 0) & (ids < e))[:, None]
   y = jnp.where(live, _work_rows(out, jnp.asarray(position), tokens.shape[1]), jnp.zeros((), jnp.bfloat16))
@@ -1189,7 +1242,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
       sorted_expert_ids = _row_experts(group_sizes, a)
     _check_row_ids(sorted_expert_ids, a)
     outs = _per_row(x_sorted, sorted_expert_ids.reshape(a, 1), experts, r, dequant, tiles, interpret,
-                    count_tile_loads)
+                    count_tile_loads, item_programs)
     if count_tile_loads:
       return (outs[0][:, 0], *outs[1:])
     return outs[:, 0]
@@ -1205,8 +1258,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
   w_items = max_work_items(e, a, r)
   if item_programs is None:
     item_programs = default_item_programs(e, a if expected_rows is None else expected_rows, w_items, impl)
-  if not isinstance(item_programs, int) or item_programs < 1:
-    raise ValueError(f"item_programs={item_programs!r} must be a positive int (programs along the work items)")
+  _check_item_programs(item_programs)
   if impl == "kernel":
     outs, kernel_work = _expert_projections(x_sorted, None, None, experts, r, dequant, tiles, interpret,
                                             count_tile_loads, None, item_programs, sizes=group_sizes, num_rows=a)
@@ -1265,9 +1317,10 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     per_row: each row its own work item (``moe_experts_per_row``: no work list, no padded copy
       of the rows), its expert from ``sorted_expert_ids`` or else from ``group_sizes``; None
       (default): where A <= ``PER_ROW_MAX_ROWS``. The same rows bit for bit either way.
-    item_programs: the sorted path's programs along the work items (static; default
+    item_programs: programs along the work items (static). The sorted path's (default
       ``default_item_programs``): each takes item slots g, g + G, ... up to the work list's
-      ``num_slots`` (``_visit_items``). The same rows bit for bit whatever it is.
+      ``num_slots`` (``_visit_items``). With per-row items, as ``moe_experts_per_row``'s (default:
+      one program per row). The same rows bit for bit whatever it is.
     work_list_impl: who builds the sorted path's work list (static). "kernel": the gate/up
       kernel, each program its own slots' items from ``group_sizes`` (``slot_item``), writing
       the list for the down kernel and the rows' take: no plain-jnp kernels before the first
@@ -1281,10 +1334,10 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
                       False, sorted_expert_ids, per_row, item_programs, work_list_impl)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS)
+@functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("item_programs",))
 def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None = None,
                         int4_dequant: str | None = None, expected_rows: int | None = None,
-                        tiles: KernelTiles | None = None, interpret=None):
+                        tiles: KernelTiles | None = None, interpret=None, item_programs: int | None = None):
   """Each token through each of its experts, one work item per (token, slot): no sort, no work list.
 
   For a single token's top-k (``PER_ROW_MAX_ROWS``; the model's MoE at one token a step): its
@@ -1298,16 +1351,21 @@ def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None =
       another device) gives a zero row and reads nothing.
     experts, block_rows, int4_dequant, expected_rows, tiles, interpret: as ``moe_experts``
       (``expected_rows`` defaults to M x K).
+    item_programs: programs along the pairs (static). None (default): one per pair. Fewer (at most
+      ``LIVE_FIRST_MAX_ITEMS`` pairs): a compact grid whose programs find the live pairs (ids in
+      [0, E)) in their prologue and take them first, so the dead pairs of a step (the experts
+      held by other devices) launch no programs of their own; more live pairs than programs run
+      in a second round. The same rows bit for bit either way.
   Returns:
     bf16 [M, K, H]: row [m, j] = down(silu(x @ gate) * (x @ up)) of tokens[m] through expert
     expert_ids[m, j]; each the same, bit for bit, as ``moe_experts`` gives that row.
   """
   return _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
-                              interpret, False)
+                              interpret, False, item_programs)
 
 
 def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
-                         interpret, count_tile_loads):
+                         interpret, count_tile_loads, item_programs=None):
   if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise ValueError(f"expert_ids must be an integer array [M, K], got {expert_ids.dtype}{list(expert_ids.shape)}")
   if tokens.ndim != 2 or tokens.shape[0] != expert_ids.shape[0]:
@@ -1317,27 +1375,30 @@ def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, 
   pairs = expert_ids.size
   r, dequant = _resolve_options(pairs, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   tiles = tiles or default_tiles(experts, pairs if expected_rows is None else expected_rows)
-  return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads)
+  return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads, item_programs)
 
 
 def _expert_projections(x, work_expert, block_start, experts, block_rows, dequant, tiles, interpret,
-                        count_tile_loads=False, num_slots=None, item_programs=None, sizes=None, num_rows=None):
+                        count_tile_loads=False, num_slots=None, item_programs=None, sizes=None, num_rows=None,
+                        live_first=False):
   """gate/up then down: bf16 x [rows, H] -> bf16 [W * R, H] in the work layout (item w: expert
   work_expert[w], rows x[block_start[w] : block_start[w] + R]), or with a split down kernel its
   chunk sums f32 [C, 1, W, H, R] (``_work_rows`` takes rows of either). ``num_slots`` and
-  ``item_programs``: a compact grid (``_visit_items``) for all kernels. With ``sizes`` (and
+  ``item_programs``: a compact grid (``_visit_items``) for all kernels; with ``live_first`` (per-pair
+  items) each kernel finds the live items itself (``_live_first``). With ``sizes`` (and
   ``num_rows``) in place of the list, the gate/up kernel builds it (``_grouped_kernel``) and the
   result comes with its ``KernelWork``."""
   tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
-                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order, item_programs=item_programs)
+                count_tile_loads=count_tile_loads, grid_order=tiles.grid_order, item_programs=item_programs,
+                live_first=live_first)
   h = _grouped_kernel(x, work_expert, block_start, (experts.gate, experts.up), fuse_silu=True,
                       cfg=tiles.gate_up, num_slots=num_slots, sizes=sizes, num_rows=num_rows, **common)
   work = None
   if sizes is not None:
     h, work = h
     work_expert, num_slots = work.expert, work.num_slots
-  compact = dict(num_slots=num_slots, item_programs=item_programs)
+  compact = dict(num_slots=num_slots, item_programs=item_programs, live_first=live_first)
   common.update(compact)
   h, h_loads = h if count_tile_loads else (h, None)
   if h.ndim == 5:  # split gate/up: its chunk sums, added and through SiLU in a small kernel

@@ -346,6 +346,66 @@ def test_per_row_reads_only_live_pairs_experts(fmt):
     assert (steps[:, [0, 2]] == k_steps).all() and (steps[:, 1] == 0).all()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_per_row_compact_grid_gives_the_full_grids_rows_and_tile_loads(fmt):
+  """Per-pair items on G programs that take the live pairs first (``_live_first``): the same rows
+  bit for bit and the same tile loads per (tile, pair) as a program per pair (a dead pair: 0),
+  for G = 1 (every live pair in one program's loop), 3 (fewer than the live pairs: a second
+  round) and 7; ids past E, -1 and all pairs dead; and with INT4's split gate/up and its fold
+  kernel (chunked tiles) the same rows as without the split."""
+  rng = np.random.default_rng(71)
+  experts = as_format(random_weights(71), fmt)
+  tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
+  cases = [np.array([[1, E, 4, -1, 0, E, 5, 2]], np.int32),  # 5 live pairs of 8, not in order
+           np.array([[E, E, 3, E, E, E, E, E]], np.int32),  # a lone live pair, at index 2
+           np.full((1, 8), E, np.int32)]  # none: a step whose experts are all elsewhere
+  for ids in cases:
+    ids = jnp.asarray(ids)
+    want = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True)
+    live = (np.asarray(ids) >= 0) & (np.asarray(ids) < E)
+    assert (np.asarray(want[1])[:, ~live[0]] == 0).all() and (np.asarray(want[1])[:, live[0]] > 0).all()
+    for item_programs in (1, 3, 7):
+      got = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True, item_programs)
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=f"ids {np.asarray(ids)}, G = {item_programs}")
+    direct = moe.moe_experts_per_row(tokens, ids, experts, interpret=INTERPRET, item_programs=3)
+    np.testing.assert_array_equal(np.asarray(direct, np.float32), np.asarray(want[0], np.float32))
+  # moe_experts hands item_programs to its per-row items: 3 sorted rows, the last one padding.
+  rows = jnp.asarray(rng.standard_normal((3, H)), jnp.bfloat16)
+  sizes = jnp.asarray([0, 1, 0, 1, 0, 0], jnp.int32)
+  one = moe.moe_experts_with_tile_loads(rows, sizes, experts, interpret=INTERPRET)
+  compact = moe.moe_experts_with_tile_loads(rows, sizes, experts, interpret=INTERPRET, item_programs=1)
+  assert np.asarray(one[1]).shape[1] == 3 and (np.asarray(one[1])[:, 2] == 0).all()  # per-row: 3 items
+  for a, b in zip(compact, one):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  if fmt == "int4":  # the split gate/up: its fold kernel visits the pairs on the same compact grid
+    x, _, chunk_experts, dims = chunk_case(fmt, seed=72)
+    ids = jnp.asarray([[dims["num_experts"], 2, -1, 0]], jnp.int32)
+    pairs = [moe.moe_experts_per_row(x[:1], ids, chunk_experts, tiles=chunked_tiles(fmt, split, False),
+                                     interpret=INTERPRET, item_programs=g) for split, g in
+             ((False, None), (True, None), (True, 1), (True, 3))]
+    for p in pairs[1:]:
+      np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(pairs[0], np.float32))
+    jaxpr = str(jax.make_jaxpr(lambda x, i, ex: moe.moe_experts_per_row(
+        x, i, ex, tiles=chunked_tiles(fmt, True, False), interpret=INTERPRET, item_programs=1))(x[:1], ids,
+                                                                                                 chunk_experts))
+    assert "moe_fold" in jaxpr
+
+
+def test_per_row_compact_grid_is_checked():
+  experts = random_weights(3)
+  tokens = jnp.zeros((3, H), jnp.bfloat16)
+  for bad in (0, -2, True, 1.5):
+    with pytest.raises(ValueError, match="item_programs"):
+      moe.moe_experts_per_row(tokens, jnp.zeros((3, 2), jnp.int32), experts, interpret=INTERPRET, item_programs=bad)
+  many = jnp.zeros((3, 6), jnp.int32)  # 18 pairs: past the prologue's unrolled pass
+  with pytest.raises(ValueError, match=f"at most {moe.LIVE_FIRST_MAX_ITEMS} pairs"):
+    moe.moe_experts_per_row(tokens, many, experts, interpret=INTERPRET, item_programs=4)
+  got = moe.moe_experts_per_row(tokens, many, experts, interpret=INTERPRET, item_programs=18)  # no compaction
+  assert got.shape == (3, 6, H)
+
+
 def test_moe_experts_takes_per_row_items_for_few_rows():
   """At A <= PER_ROW_MAX_ROWS ``moe_experts`` runs per-row items (no work list is built), each row's
   expert from the ids or else from group_sizes, and gives exactly the sorted work list's rows
@@ -971,7 +1031,8 @@ def test_one_token_block_lowers_for_the_gpu_without_a_sort(monkeypatch):
 def test_chunked_split_and_compact_forms_lower_for_the_gpu(dequant):
   """Lowered for cuda (no GPU needed) at K2.6's widths, the GPU-only forms interpret mode does not
   run: INT4's chunk sums added inside the pipeline (in both register forms), its split gate/up
-  with the fold kernel, each on the compact grid; bf16's chunks and split as options."""
+  with the fold kernel, each on the compact grid of the sorted path and of per-pair items; bf16's
+  chunks and split as options."""
   e = 16
   x = jax.ShapeDtypeStruct((16, 7168), jnp.bfloat16)
   g = jax.ShapeDtypeStruct((e,), jnp.int32)
@@ -990,6 +1051,12 @@ def test_chunked_split_and_compact_forms_lower_for_the_gpu(dequant):
   for experts, options, split in cases:
     call = jax.jit(lambda x, g, w: moe.moe_experts(x, g, w, per_row=False, item_programs=4, **options))
     text = call.trace(x, g, experts).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_gate_up" in text and "moe_down" in text and ("moe_fold" in text) == split
+    # Per-pair items on a compact grid (the live pairs found in each program's prologue).
+    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    pairs = jax.jit(lambda t, i, w: moe.moe_experts_per_row(t, i, w, item_programs=2, **options))
+    text = pairs.trace(jax.ShapeDtypeStruct((1, 7168), jnp.bfloat16), ids, experts).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "moe_gate_up" in text and "moe_down" in text and ("moe_fold" in text) == split
 
 
@@ -1059,6 +1126,28 @@ def test_gpu_split_and_compact_grids_give_the_same_rows_at_kimi_widths(gpu, fmt,
                           item_programs=8)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(full, np.float32))
     assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,dequant", FORMATS)
+def test_gpu_per_row_compact_grid_gives_the_full_grids_rows(gpu, fmt, dequant):
+  """One token's 8 pairs at K2.6's H and I, 3 of them live (the 48-expert share's usual step has
+  1): G = 1, 2 and 3 programs along the pairs (the live ones found in each program's prologue)
+  give a program per pair's rows bit for bit, with INT4's split gate/up (``expected_rows=1``) and
+  without; a step with no live pair gives zeros."""
+  e = 16
+  experts = as_format(random_weights(63, num_experts=e, hidden=7168, inter=2048, scale=0.02), fmt)
+  tokens = jnp.asarray(np.random.default_rng(63).standard_normal((1, 7168)), jnp.bfloat16)
+  ids = jnp.asarray([[e, 3, e, e, 11, e, 7, e]], jnp.int32)
+  for expected_rows in (1, 8):
+    full = moe.moe_experts_per_row(tokens, ids, experts, int4_dequant=dequant, expected_rows=expected_rows)
+    for g in (1, 2, 3):
+      got = moe.moe_experts_per_row(tokens, ids, experts, int4_dequant=dequant, expected_rows=expected_rows,
+                                    item_programs=g)
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(full, np.float32), err_msg=f"G = {g}")
+  none = moe.moe_experts_per_row(tokens, jnp.full((1, 8), e, jnp.int32), experts, int4_dequant=dequant,
+                                 expected_rows=1, item_programs=2)
+  assert not np.asarray(none, np.float32).any()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,43 @@
+"""``benchmarks/moe_per_row_grid.py``: its variants call the grids they name on the token's pairs,
+its table puts each measurement in its row, and it refuses to run off the GPU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import moe
+from tests.benchmarks import load_benchmark, run_main
+
+
+@pytest.fixture(scope="module")
+def bench():
+  return load_benchmark("moe_per_row_grid")
+
+
+def test_variants_call_the_grids_they_name(bench, monkeypatch):
+  seen = []
+  monkeypatch.setattr(moe, "moe_experts_per_row", lambda t, i, w, **kw: seen.append((i.shape, kw)))
+  for g in bench.GRIDS:
+    bench.layer(g)(jnp.zeros((1, 8), jnp.bfloat16), jnp.zeros((1, 8), jnp.int32), None)
+  assert seen == [((1, 8), dict(expected_rows=1, item_programs=g)) for g in bench.GRIDS]
+  assert bench.GRIDS[0] is None and all(g < 8 for g in bench.GRIDS[1:])  # the default first, then compact
+
+
+def test_markdown_rows(bench):
+  rows = [dict(experts=48, tokens=1, touched=0.81, format="bf16", item_programs=None, gpu_us=26.8, roofline_us=15.8,
+               roofline_fraction=15.8 / 26.8, kernels={"moe_gate_up_mosaic_gpu_kernel": 18.3}, vs_default=1.0,
+               rows="bit-identical"),
+          dict(experts=48, tokens=1, touched=0.81, format="int4", item_programs=3, gpu_us=15.0, roofline_us=4.4,
+               roofline_fraction=4.4 / 15.0, kernels={"moe_down_mosaic_gpu_kernel": 5.0}, vs_default=0.9,
+               rows="DIFFER")]
+  text = bench.markdown(dict(device="NVIDIA H200", jax="0.11.2", command="cmd", seconds=1.0, rows=rows))
+  lines = text.splitlines()
+  assert "| bf16 | 8 | 26.8 | 59.0% | moe_gate_up 18.3 | 1.000x | bit-identical |" in lines
+  assert "| int4 | 3 | 15.0 | 29.3% | moe_down 5.0 | 0.900x | DIFFER |" in lines
+  assert "0.81 live pairs of 8" in text
+
+
+def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
+  assert jax.default_backend() != "gpu"
+  with pytest.raises(SystemExit, match="run it on the GPU"):
+    run_main(monkeypatch, bench, "--out", str(tmp_path))
