@@ -144,7 +144,7 @@ ITEM_PROGRAMS_MIN = 8
 # Programs along the items per expected touched expert: fewer where the gate/up kernel builds the
 # work list (every program, dead or live, runs ``slot_item``'s pass over the experts). Same-run
 # H200 comparisons, 2026-11-30, GPU us a call, INT4 (``moe_dequant_form.md``; scratch A/B runs,
-# README): at the 48-expert share 1.25 against 2 takes T = 5 from 58.6 to 55.4 and T = 9 (with
+# docs/moe.md): at the 48-expert share 1.25 against 2 takes T = 5 from 58.6 to 55.4 and T = 9 (with
 # the serial form) from 88.6 to 83.5, T = 13..33 within 0.3%, T = 65 and 136 within 1.3%; at 384
 # experts (the jnp list) 1.25 was 10% slower at T = 33 (1702 against 1551 us) and 5% faster at T =
 # 17 (931 against 981) in two runs. bf16: within 0.3% either way at both expert counts. A routing
