@@ -22,11 +22,9 @@ added in one order either way). Writes NAME.json and NAME.md (``--name``, defaul
 ``moe_balance``); ``--merge`` keeps the rows of cells this run does not time.
 """
 
-import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -358,21 +356,17 @@ def markdown(result: dict) -> str:
     kinds = results_io.kernel_shares(row["kernels"])
     lines.append(f"| {row['experts']} | {row['tokens']} | {row['touched']:.1f} | {row['variant']} | {row['dequant']} | "
                  f"{row['gpu_us']:.1f} | {row['vs_default']:.2f}x | {kinds} | {row['rows']} |")
-  lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
-  return "\n".join(lines) + "\n"
+  return results_io.with_command(lines, result)
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser = results_io.results_parser(__doc__, "moe_balance", merge=True)
   parser.add_argument("--cells", nargs="+", default=[f"{e}:{t}" for e, t in CELLS],
                       help="experts:tokens pairs, e.g. 48:9 384:17")
   parser.add_argument("--programs", nargs="+", type=int, default=[264],
                       help="balance_programs values to time (e.g. 132 264 396)")
   parser.add_argument("--dequant", nargs="+", default=["auto"], choices=["auto", "registers", "registers_serial"],
                       help="INT4 forms for the balanced variants (auto: the default's choice)")
-  parser.add_argument("--name", default="moe_balance", help="the results' file name (NAME.json, NAME.md)")
-  parser.add_argument("--merge", action="store_true", help="keep the rows of --out's NAME.json for other cells")
   args = parser.parse_args(argv)
   for cell in args.cells:
     parts = cell.split(":")
@@ -385,8 +379,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  if jax.default_backend() != "gpu":
-    sys.exit("moe_balance.py times the Mosaic GPU kernels: run it on the GPU")
+  results_io.require_gpu("moe_balance.py")
   start = time.perf_counter()
   rows, weights = [], {}
   for cell in args.cells:

@@ -15,12 +15,10 @@ rows must equal the default's bit for bit (the forms and the grid change the sch
 sums). Writes ``moe_dequant_form.json`` and ``.md`` (``--name``).
 """
 
-import argparse
 import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -73,18 +71,14 @@ def markdown(result: dict) -> str:
     lines.append(f"| {row['tokens']} | {row['touched']:.1f} | {form} | {row['item_programs']} | {row['gpu_us']:.1f} | "
                  f"{row['roofline_fraction']:.1%} | {results_io.kernel_shares(row['kernels'])} | "
                  f"{row['vs_default']:.3f}x | {row['rows']} |")
-  lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
-  return "\n".join(lines) + "\n"
+  return results_io.with_command(lines, result)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser = results_io.results_parser(__doc__, "moe_dequant_form")
   parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
-  parser.add_argument("--name", default="moe_dequant_form", help="the results' file name (NAME.json, NAME.md)")
   args = parser.parse_args()
-  if jax.default_backend() != "gpu":
-    sys.exit("moe_dequant_form.py times the Mosaic GPU kernels: run it on the GPU")
+  results_io.require_gpu("moe_dequant_form.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]
   w = bench.make_int4(jax.random.key(EXPERTS + 1), EXPERTS)

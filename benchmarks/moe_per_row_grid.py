@@ -14,11 +14,9 @@ INT4, with the fraction of the touched experts' read roofline and whether the ro
 default's bit for bit. Writes ``moe_per_row_grid.json`` and ``.md`` (``--name``).
 """
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -58,18 +56,14 @@ def markdown(result: dict) -> str:
     grid = 8 if row["item_programs"] is None else row["item_programs"]
     lines.append(f"| {row['format']} | {grid} | {row['gpu_us']:.1f} | {row['roofline_fraction']:.1%} | "
                  f"{results_io.kernel_shares(row['kernels'])} | {row['vs_default']:.3f}x | {row['rows']} |")
-  lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
-  return "\n".join(lines) + "\n"
+  return results_io.with_command(lines, result)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser = results_io.results_parser(__doc__, "moe_per_row_grid")
   parser.add_argument("--formats", nargs="+", default=["bf16", "int4"], choices=["bf16", "int4"])
-  parser.add_argument("--name", default="moe_per_row_grid", help="the results' file name (NAME.json, NAME.md)")
   args = parser.parse_args()
-  if jax.default_backend() != "gpu":
-    sys.exit("moe_per_row_grid.py times the Mosaic GPU kernels: run it on the GPU")
+  results_io.require_gpu("moe_per_row_grid.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]
   routings = bench.routings(1, EXPERTS, seed=1000 * EXPERTS + 1)

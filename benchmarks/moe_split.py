@@ -23,11 +23,9 @@ minutes (mostly compilation), so under a 10-minute limit time them in parts (``-
 ``--formats``) with ``--merge``, which keeps the rows of cells this run does not time.
 """
 
-import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -83,25 +81,20 @@ def markdown(result: dict) -> str:
     kinds = results_io.kernel_shares(row["kernels"])
     lines.append(f"| {row['experts']} | {row['tokens']} | {row['format']} | {row['touched']:.1f} | {row['variant']} | "
                  f"{row['gpu_us']:.1f} | {row['vs_default']:.2f}x | {kinds} | {row['rows']} |")
-  lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
-  return "\n".join(lines) + "\n"
+  return results_io.with_command(lines, result)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser = results_io.results_parser(__doc__, "moe_split", merge=True)
   parser.add_argument("--cells", nargs="+", default=[f"{e}:{t}" for e, t in CELLS],
                       help="experts:tokens pairs, e.g. 48:1 384:136")
   parser.add_argument("--formats", nargs="+", default=["int4", "bf16"], choices=["int4", "bf16"])
   parser.add_argument("--variants", nargs="+", help="time only these variants (the default always: the others' baseline)")
-  parser.add_argument("--name", default="moe_split", help="the results' file name (NAME.json, NAME.md)")
-  parser.add_argument("--merge", action="store_true", help="keep the rows of --out's NAME.json for other cells")
   args = parser.parse_args()
   known = {name for fmt in args.formats for name in variants(fmt)}
   if args.variants and set(args.variants) - known:
     parser.error(f"--variants {sorted(set(args.variants) - known)}: not variants of {args.formats}; known: {sorted(known)}")
-  if jax.default_backend() != "gpu":
-    sys.exit("moe_split.py times the Mosaic GPU kernels: run it on the GPU")
+  results_io.require_gpu("moe_split.py")
   start = time.perf_counter()
   rows = []
   for fmt in args.formats:

@@ -19,11 +19,9 @@ bit as the other variant's. Writes ``moe_work_list.json`` and ``.md`` (``--name`
 keeps the rows of cells this run does not time).
 """
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -63,20 +61,15 @@ def markdown(result: dict) -> str:
     lines.append(f"| {row['tokens']} | {row['format']} | {row['touched']:.1f} | {row['variant']} | "
                  f"{row['gpu_us']:.1f} | {row['roofline_fraction']:.0%} | {row['glue_us']:.1f} | "
                  f"{results_io.kernel_shares(row['kernels'])} | {row['vs_jnp']:.3f}x | {row['rows']} |")
-  lines += ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]
-  return "\n".join(lines) + "\n"
+  return results_io.with_command(lines, result)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser = results_io.results_parser(__doc__, "moe_work_list", merge=True)
   parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
   parser.add_argument("--formats", nargs="+", default=["int4", "bf16"], choices=["int4", "bf16"])
-  parser.add_argument("--name", default="moe_work_list", help="the results' file name (NAME.json, NAME.md)")
-  parser.add_argument("--merge", action="store_true", help="keep the rows of --out's NAME.json for other cells")
   args = parser.parse_args()
-  if jax.default_backend() != "gpu":
-    sys.exit("moe_work_list.py times the Mosaic GPU kernels: run it on the GPU")
+  results_io.require_gpu("moe_work_list.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]
   rows = []

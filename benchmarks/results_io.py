@@ -1,8 +1,10 @@
 """A benchmark's results on disk: NAME.json and NAME.md, and the rows of an earlier run kept for the
 cells this run did not time (``--merge``)."""
 
+import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -35,3 +37,25 @@ def save_rows(rows: list, *, out: Path, name: str, command: str, start: float, m
   json_path.write_text(json.dumps(result, indent=1))
   md_path.write_text(markdown(result))
   return result
+
+
+def results_parser(doc: str, name: str, merge: bool = False) -> argparse.ArgumentParser:
+  """A timing script's parser with ``--out`` (the results' folder) and ``--name`` (NAME.json,
+  NAME.md; default ``name``), and with ``merge`` also ``--merge`` (``save_rows``'s)."""
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser.add_argument("--name", default=name, help="the results' file name (NAME.json, NAME.md)")
+  if merge:
+    parser.add_argument("--merge", action="store_true", help="keep the rows of --out's NAME.json for other cells")
+  return parser
+
+
+def require_gpu(script: str) -> None:
+  """Exits with a message naming ``script`` unless jax runs on a GPU (the scripts time GPU kernels)."""
+  if jax.default_backend() != "gpu":
+    sys.exit(f"{script} times the Mosaic GPU kernels: run it on the GPU")
+
+
+def with_command(lines: list, result: dict) -> str:
+  """The markdown ``lines`` of a table, then the command that made ``result`` and its seconds."""
+  return "\n".join(lines + ["", f"Command: `{result['command']}` ({result['seconds']:.0f} s)."]) + "\n"
