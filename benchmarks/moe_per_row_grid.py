@@ -8,10 +8,11 @@ of the 8 pairs is live (a third of the steps none) and the other 7 launch progra
 exit: 7 x 32 gate/up and 7 x 112 down programs. With ``item_programs`` G below 8 the kernels run
 G programs along the pairs, which find the live pairs in their prologue and take them first
 (more live pairs than G run in a second round). This times, for ``bench_moe.py``'s routings at
-T = 1 (16 steps in one executable, GPU time from CUPTI, every variant of a cell in turn,
-``REPEATS`` times), G = 8 (a program per pair: the default) against smaller grids, in bf16 and
-INT4, with the fraction of the touched experts' read roofline and whether the rows equal the
-default's bit for bit. Writes ``moe_per_row_grid.json`` and ``.md`` (``--name``).
+T = 1 on shares of ``--experts`` (16 steps in one executable, GPU time from CUPTI, every variant of
+a cell in turn, ``--repeats`` times), G = 8 (a program per pair) against smaller grids
+(``--grids``), in bf16 and INT4, with the fraction of the touched experts' read roofline and
+whether the rows equal G = 8's bit for bit; it marks the grid that ``moe.default_pair_programs``
+picks for the share's expected rows. Writes ``moe_per_row_grid.json`` and ``.md`` (``--name``).
 """
 
 import statistics
@@ -26,73 +27,86 @@ import bench_moe as bench
 import results_io
 from pallas_kernels import moe
 
-EXPERTS = 48
-GRIDS = (None, 4, 3, 2)  # None: a program per pair
+EXPERTS = (48,)
+GRIDS = (8, 4, 3, 2)
 REPEATS = 3
+PAIRS = 8  # bench_moe.TOP_K pairs of one token
 
 
-def layer(item_programs):
+def layer(item_programs, expected_rows):
   def call(tokens, ids, w):
-    return moe.moe_experts_per_row(tokens, ids, w, expected_rows=1, item_programs=item_programs)
+    return moe.moe_experts_per_row(tokens, ids, w, expected_rows=expected_rows, item_programs=item_programs)
   return call
 
 
 def cell(row: dict) -> tuple:
-  return (row["format"], -1 if row["item_programs"] is None else -row["item_programs"])
+  return (row["experts"], row["format"], -row["item_programs"])
 
 
 def markdown(result: dict) -> str:
   lines = [f"# Per-pair items at one token on a compact grid ({result['device']}, jax {result['jax']})", "",
-           f"The 48-expert share at T = 1, `bench_moe.py`'s routings ({result['rows'][0]['touched']:.2f} live pairs "
-           "of 8 a "
-           f"step on average). GPU us per layer call (CUPTI; 16 steps in one executable; the median of {REPEATS} "
-           "timings, the variants of a format in turn), the fraction of the touched experts' read roofline "
-           "(stream measured in the same run), the kernels' shares, the time against a program per pair's, and "
-           "whether all 16 steps' rows equal it bit for bit. *G*: programs along the pairs (8: one per pair, "
-           "the default).", "",
-           "| format | G | GPU us | of roofline | kernels | vs G = 8 | rows |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "An expert-parallel share of E experts at T = 1, `bench_moe.py`'s routings (*live*: the token's "
+           f"pairs routed to the share, of {PAIRS}, on average). GPU us per layer call (CUPTI; 16 steps in one "
+           f"executable; the median of {result['repeats']} timings, the variants of a cell in turn), the "
+           "fraction of the touched experts' read roofline (stream measured in the same run), the kernels' "
+           "shares, the time against a program per pair's, and whether all 16 steps' rows equal it bit for "
+           f"bit. *G*: programs along the pairs ({PAIRS}: one per pair); *default*: `moe.default_pair_programs` "
+           "for the share's expected rows.", "",
+           "| E | live | format | G | GPU us | of roofline | kernels | vs G = 8 | rows |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
-    grid = 8 if row["item_programs"] is None else row["item_programs"]
-    lines.append(f"| {row['format']} | {grid} | {row['gpu_us']:.1f} | {row['roofline_fraction']:.1%} | "
-                 f"{results_io.kernel_shares(row['kernels'])} | {row['vs_default']:.3f}x | {row['rows']} |")
+    grid = f"**{row['item_programs']}** (default)" if row["default"] else str(row["item_programs"])
+    lines.append(f"| {row['experts']} | {row['touched']:.2f} | {row['format']} | {grid} | {row['gpu_us']:.1f} | "
+                 f"{row['roofline_fraction']:.1%} | {results_io.kernel_shares(row['kernels'])} | "
+                 f"{row['vs_default']:.3f}x | {row['rows']} |")
   return results_io.with_command(lines, result)
 
 
 def main():
   parser = results_io.results_parser(__doc__, "moe_per_row_grid")
   parser.add_argument("--formats", nargs="+", default=["bf16", "int4"], choices=["bf16", "int4"])
+  parser.add_argument("--experts", nargs="+", type=int, default=list(EXPERTS), help="the share's experts (of 384)")
+  parser.add_argument("--grids", nargs="+", type=int, default=list(GRIDS), help=f"G values ({PAIRS}: one per pair)")
+  parser.add_argument("--repeats", type=int, default=REPEATS)
   args = parser.parse_args()
+  if PAIRS not in args.grids or any(not 1 <= g <= PAIRS for g in args.grids):
+    parser.error(f"--grids must be in [1, {PAIRS}] and include {PAIRS} (the baseline)")
   results_io.require_gpu("moe_per_row_grid.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]
-  routings = bench.routings(1, EXPERTS, seed=1000 * EXPERTS + 1)
-  rng = np.random.default_rng(EXPERTS)
-  # The token's 8 pairs: ids of experts held elsewhere are E (routed nowhere here).
-  calls = [(jnp.asarray(rng.standard_normal((1, bench.HIDDEN)), jnp.bfloat16), jnp.asarray(r[3])) for r in routings]
-  touched = float(np.mean([r[2] for r in routings]))
   rows = []
-  for fmt in args.formats:
-    w = (bench.make_bf16 if fmt == "bf16" else bench.make_int4)(jax.random.key(EXPERTS + 1), EXPERTS)
-    roofline_us = bench.weight_bytes(fmt, touched) / stream * 1e6
-    steps = {g: bench.in_step(layer(g)) for g in GRIDS}
-    tokens, ids = [c[0] for c in calls], [c[1] for c in calls]
-    outs = {g: np.asarray(jnp.stack(step(tokens, ids, w)).astype(jnp.float32)) for g, step in steps.items()}
-    timings = {g: [] for g in GRIDS}
-    for _ in range(REPEATS):
-      for g, step in steps.items():
-        timings[g].append(bench.device_in_step(step, calls, w))
-    medians = {g: statistics.median(us for us, _ in timings[g]) for g in GRIDS}
-    for g in GRIDS:
-      same = np.array_equal(outs[g], outs[None])
-      rows.append(dict(experts=EXPERTS, tokens=1, touched=touched, format=fmt, item_programs=g, gpu_us=medians[g],
-                       roofline_us=roofline_us, roofline_fraction=roofline_us / medians[g],
-                       kernels={k: us for k, us in timings[g][-1][1].items() if "mosaic_gpu" in k},
-                       vs_default=medians[g] / medians[None], rows="bit-identical" if same else "DIFFER"))
-      print(f"{fmt} G={g or 8}: {medians[g]:.1f} us ({roofline_us / medians[g]:.1%}) {rows[-1]['rows']}", flush=True)
+  for experts in args.experts:
+    expected = max(1, PAIRS * experts // bench.ALL_EXPERTS)
+    default = moe.default_pair_programs(PAIRS, expected) or PAIRS
+    routings = bench.routings(1, experts, seed=1000 * experts + 1)
+    rng = np.random.default_rng(experts)
+    # The token's 8 pairs: ids of experts held elsewhere are E (routed nowhere here).
+    calls = [(jnp.asarray(rng.standard_normal((1, bench.HIDDEN)), jnp.bfloat16), jnp.asarray(r[3])) for r in routings]
+    touched = float(np.mean([r[2] for r in routings]))
+    for fmt in args.formats:
+      w = (bench.make_bf16 if fmt == "bf16" else bench.make_int4)(jax.random.key(experts + 1), experts)
+      roofline_us = bench.weight_bytes(fmt, touched) / stream * 1e6
+      steps = {g: bench.in_step(layer(g, expected)) for g in args.grids}
+      tokens, ids = [c[0] for c in calls], [c[1] for c in calls]
+      outs = {g: np.asarray(jnp.stack(step(tokens, ids, w)).astype(jnp.float32)) for g, step in steps.items()}
+      timings = {g: [] for g in args.grids}
+      for _ in range(args.repeats):
+        for g, step in steps.items():
+          timings[g].append(bench.device_in_step(step, calls, w))
+      medians = {g: statistics.median(us for us, _ in timings[g]) for g in args.grids}
+      for g in args.grids:
+        same = np.array_equal(outs[g], outs[PAIRS])
+        rows.append(dict(experts=experts, tokens=1, touched=touched, format=fmt, item_programs=g,
+                         default=g == default, gpu_us=medians[g], roofline_us=roofline_us,
+                         roofline_fraction=roofline_us / medians[g],
+                         kernels={k: us for k, us in timings[g][-1][1].items() if "mosaic_gpu" in k},
+                         vs_default=medians[g] / medians[PAIRS], rows="bit-identical" if same else "DIFFER"))
+        print(f"E={experts} {fmt} G={g}: {medians[g]:.1f} us ({roofline_us / medians[g]:.1%}) {rows[-1]['rows']}",
+              flush=True)
+    del w
   command = "PYTHONPATH=. python3 " + " ".join(sys.argv)
   results_io.save_rows(rows, out=args.out, name=args.name, command=command, start=start, markdown=markdown,
-                       merge=False, cell=cell)
+                       merge=False, cell=cell, repeats=args.repeats)
 
 
 if __name__ == "__main__":

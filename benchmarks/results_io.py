@@ -23,16 +23,18 @@ def merge_rows(earlier: list, new: list, cell) -> list:
   return sorted([row for row in earlier if cell(row) not in timed] + new, key=cell)
 
 
-def save_rows(rows: list, *, out: Path, name: str, command: str, start: float, markdown, merge: bool, cell) -> dict:
+def save_rows(rows: list, *, out: Path, name: str, command: str, start: float, markdown, merge: bool, cell,
+              **fields) -> dict:
   """Writes out/NAME.json and out/NAME.md (``markdown(result)``) for ``rows`` timed since ``start``
-  (``time.perf_counter()``); with ``merge``, the rows of an earlier NAME.json for other cells are
-  kept and its command is named first. Returns the result written."""
+  (``time.perf_counter()``), with ``fields`` (the run's settings) beside them; with ``merge``, the
+  rows of an earlier NAME.json for other cells are kept and its command is named first. Returns the
+  result written."""
   json_path, md_path = out / f"{name}.json", out / f"{name}.md"
   if merge and json_path.exists():
     earlier = json.loads(json_path.read_text())
     rows, command = merge_rows(earlier["rows"], rows, cell), f"{earlier['command']}; then {command}"
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
-                command=command, seconds=time.perf_counter() - start, rows=rows)
+                command=command, seconds=time.perf_counter() - start, **fields, rows=rows)
   out.mkdir(parents=True, exist_ok=True)
   json_path.write_text(json.dumps(result, indent=1))
   md_path.write_text(markdown(result))

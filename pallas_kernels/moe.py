@@ -954,6 +954,30 @@ def _compact(w_items: int, num_slots, item_programs, counted_in_kernel: bool = F
 LIVE_FIRST_MAX_ITEMS = 16
 
 
+# Per-pair items where fewer pairs are expected live than there are (an expert-parallel share): a
+# program per expected live pair, at least 2. Measured on the H200 (``results/moe_per_row_grid.md``,
+# one token's 8 pairs, GPU us a call, each grid against a program per pair in the same run, rows bit
+# for bit alike): the 48-expert share (1 expected live pair) with G = 2: bf16 22.6 against 26.2
+# (0.86x), INT4 15.5 against 17.8 (0.87x); G = 1, 3 and 4 gained less (bf16 G = 3 and 4 moved by
+# 8% between two runs, G = 2 by 1%). The 96-expert share (2 expected): G = 2 bf16 0.97x, INT4 0.97x
+# (G = 3: 1.02x and 0.95x).
+PAIR_PROGRAMS_PER_LIVE_PAIR = 1
+PAIR_PROGRAMS_MIN = 2
+
+
+def default_pair_programs(pairs: int, expected_rows: int | None) -> int | None:
+  """Programs along per-pair items (``item_programs`` of ``moe_experts_per_row``): None (a program
+  per pair) unless ``expected_rows`` (the pairs expected to be routed to these experts) is below
+  ``pairs``; then a compact grid of ``PAIR_PROGRAMS_PER_LIVE_PAIR`` programs per expected live pair
+  (at least ``PAIR_PROGRAMS_MIN``), None again where that is no fewer than the pairs or there are
+  more than ``LIVE_FIRST_MAX_ITEMS`` pairs. The dead pairs then launch no programs of their own, and
+  a step with more live pairs than programs runs them in a second round (same rows)."""
+  if expected_rows is None or expected_rows >= pairs or pairs > LIVE_FIRST_MAX_ITEMS:
+    return None
+  programs = max(PAIR_PROGRAMS_MIN, PAIR_PROGRAMS_PER_LIVE_PAIR * expected_rows)
+  return programs if programs < pairs else None
+
+
 def _live_first(expert_ref, w_items: int, num_experts: int):
   """(live items: int32 scalar, slot -> item): per-pair items in the order live ones (expert in
   [0, E)) by index, then the others by index, so that a compact grid's first slots are the live
@@ -1181,13 +1205,16 @@ def _check_item_programs(item_programs):
 
 
 def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret, count_tile_loads,
-             item_programs=None):
+             item_programs=None, expected_rows=None):
   """Per-pair items (``PER_ROW_MAX_ROWS``): bf16 tokens [M, H], int expert_ids [M, K] ->
   bf16 [M, K, H], zero where the id is outside [0, E). ``item_programs`` G below the M x K pairs:
-  a compact grid whose G programs along the items take the live pairs first (``_live_first``)."""
+  a compact grid whose G programs along the items take the live pairs first (``_live_first``);
+  None: ``default_pair_programs(M x K, expected_rows)``."""
   m, k = expert_ids.shape
   e = _num_experts(experts)
   _check_item_programs(item_programs)
+  if item_programs is None:
+    item_programs = default_pair_programs(m * k, expected_rows)
   block_start, position = per_row_layout(m, k, block_rows)
   ids = expert_ids.reshape(-1).astype(jnp.int32)
   live_first = item_programs is not None and item_programs < ids.size
@@ -1242,7 +1269,7 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
       sorted_expert_ids = _row_experts(group_sizes, a)
     _check_row_ids(sorted_expert_ids, a)
     outs = _per_row(x_sorted, sorted_expert_ids.reshape(a, 1), experts, r, dequant, tiles, interpret,
-                    count_tile_loads, item_programs)
+                    count_tile_loads, item_programs, expected_rows)
     if count_tile_loads:
       return (outs[0][:, 0], *outs[1:])
     return outs[:, 0]
@@ -1319,8 +1346,9 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       (default): where A <= ``PER_ROW_MAX_ROWS``. The same rows bit for bit either way.
     item_programs: programs along the work items (static). The sorted path's (default
       ``default_item_programs``): each takes item slots g, g + G, ... up to the work list's
-      ``num_slots`` (``_visit_items``). With per-row items, as ``moe_experts_per_row``'s (default:
-      one program per row). The same rows bit for bit whatever it is.
+      ``num_slots`` (``_visit_items``). With per-row items, as ``moe_experts_per_row``'s (default
+      ``default_pair_programs``: one program per row unless ``expected_rows`` is below the rows).
+      The same rows bit for bit whatever it is.
     work_list_impl: who builds the sorted path's work list (static). "kernel": the gate/up
       kernel, each program its own slots' items from ``group_sizes`` (``slot_item``), writing
       the list for the down kernel and the rows' take: no plain-jnp kernels before the first
@@ -1351,7 +1379,9 @@ def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None =
       another device) gives a zero row and reads nothing.
     experts, block_rows, int4_dequant, expected_rows, tiles, interpret: as ``moe_experts``
       (``expected_rows`` defaults to M x K).
-    item_programs: programs along the pairs (static). None (default): one per pair. Fewer (at most
+    item_programs: programs along the pairs (static). None (default): ``default_pair_programs``
+      (one per pair unless ``expected_rows`` is below the pairs, e.g. 2 for an expert-parallel
+      share's 1 expected live pair of 8). Fewer than the pairs (at most
       ``LIVE_FIRST_MAX_ITEMS`` pairs): a compact grid whose programs find the live pairs (ids in
       [0, E)) in their prologue and take them first, so the dead pairs of a step (the experts
       held by other devices) launch no programs of their own; more live pairs than programs run
@@ -1375,7 +1405,8 @@ def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, 
   pairs = expert_ids.size
   r, dequant = _resolve_options(pairs, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   tiles = tiles or default_tiles(experts, pairs if expected_rows is None else expected_rows)
-  return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads, item_programs)
+  return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads, item_programs,
+                  expected_rows)
 
 
 def _expert_projections(x, work_expert, block_start, experts, block_rows, dequant, tiles, interpret,

@@ -18,23 +18,30 @@ def test_variants_call_the_grids_they_name(bench, monkeypatch):
   seen = []
   monkeypatch.setattr(moe, "moe_experts_per_row", lambda t, i, w, **kw: seen.append((i.shape, kw)))
   for g in bench.GRIDS:
-    bench.layer(g)(jnp.zeros((1, 8), jnp.bfloat16), jnp.zeros((1, 8), jnp.int32), None)
-  assert seen == [((1, 8), dict(expected_rows=1, item_programs=g)) for g in bench.GRIDS]
-  assert bench.GRIDS[0] is None and all(g < 8 for g in bench.GRIDS[1:])  # the default first, then compact
+    bench.layer(g, 2)(jnp.zeros((1, 8), jnp.bfloat16), jnp.zeros((1, 8), jnp.int32), None)
+  assert seen == [((1, 8), dict(expected_rows=2, item_programs=g)) for g in bench.GRIDS]
+  assert bench.GRIDS[0] == bench.PAIRS and all(g < bench.PAIRS for g in bench.GRIDS[1:])  # the baseline first
 
 
 def test_markdown_rows(bench):
-  rows = [dict(experts=48, tokens=1, touched=0.81, format="bf16", item_programs=None, gpu_us=26.8, roofline_us=15.8,
-               roofline_fraction=15.8 / 26.8, kernels={"moe_gate_up_mosaic_gpu_kernel": 18.3}, vs_default=1.0,
-               rows="bit-identical"),
-          dict(experts=48, tokens=1, touched=0.81, format="int4", item_programs=3, gpu_us=15.0, roofline_us=4.4,
-               roofline_fraction=4.4 / 15.0, kernels={"moe_down_mosaic_gpu_kernel": 5.0}, vs_default=0.9,
-               rows="DIFFER")]
-  text = bench.markdown(dict(device="NVIDIA H200", jax="0.11.2", command="cmd", seconds=1.0, rows=rows))
+  rows = [dict(experts=48, tokens=1, touched=0.81, format="bf16", item_programs=8, default=False, gpu_us=26.8,
+               roofline_us=15.8, roofline_fraction=15.8 / 26.8, kernels={"moe_gate_up_mosaic_gpu_kernel": 18.3},
+               vs_default=1.0, rows="bit-identical"),
+          dict(experts=96, tokens=1, touched=1.93, format="int4", item_programs=2, default=True, gpu_us=15.0,
+               roofline_us=4.4, roofline_fraction=4.4 / 15.0, kernels={"moe_down_mosaic_gpu_kernel": 5.0},
+               vs_default=0.9, rows="DIFFER")]
+  text = bench.markdown(dict(device="NVIDIA H200", jax="0.11.2", command="cmd", seconds=1.0, repeats=5, rows=rows))
   lines = text.splitlines()
-  assert "| bf16 | 8 | 26.8 | 59.0% | moe_gate_up 18.3 | 1.000x | bit-identical |" in lines
-  assert "| int4 | 3 | 15.0 | 29.3% | moe_down 5.0 | 0.900x | DIFFER |" in lines
-  assert "0.81 live pairs of 8" in text
+  assert "| 48 | 0.81 | bf16 | 8 | 26.8 | 59.0% | moe_gate_up 18.3 | 1.000x | bit-identical |" in lines
+  assert "| 96 | 1.93 | int4 | **2** (default) | 15.0 | 29.3% | moe_down 5.0 | 0.900x | DIFFER |" in lines
+  assert "the median of 5 timings" in text
+
+
+def test_rejects_grids_without_the_baseline(bench, monkeypatch, capsys):
+  for grids in (["4", "2"], ["8", "9"], ["8", "0"]):
+    with pytest.raises(SystemExit):
+      run_main(monkeypatch, bench, "--grids", *grids)
+    assert "--grids must be in [1, 8] and include 8" in capsys.readouterr().err
 
 
 def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):

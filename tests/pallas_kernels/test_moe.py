@@ -391,6 +391,37 @@ def test_per_row_compact_grid_gives_the_full_grids_rows_and_tile_loads(fmt):
     assert "moe_fold" in jaxpr
 
 
+def test_default_pair_programs_follow_the_expected_live_pairs():
+  assert moe.default_pair_programs(8, None) is None  # every pair expected live: a program each
+  assert moe.default_pair_programs(8, 8) is None
+  assert moe.default_pair_programs(8, 1) == 2  # the 48-expert share at one token
+  assert moe.default_pair_programs(8, 2) == 2  # 96 experts
+  assert moe.default_pair_programs(8, 4) == 4
+  assert moe.default_pair_programs(8, 7) == 7
+  assert moe.default_pair_programs(3, 2) == 2
+  assert moe.default_pair_programs(2, 1) is None  # no fewer programs than pairs
+  assert moe.default_pair_programs(moe.LIVE_FIRST_MAX_ITEMS + 2, 1) is None  # past the prologue's pass
+
+
+def test_per_row_items_take_the_default_pair_programs(monkeypatch):
+  """Both entry points hand ``default_pair_programs(pairs, expected_rows)`` to the kernels: a
+  compact grid where few pairs are expected live, a program per pair otherwise."""
+  seen = []
+  real = moe._expert_projections
+  monkeypatch.setattr(moe, "_expert_projections", lambda *a, **kw: seen.append(kw["item_programs"]) or real(*a, **kw))
+  experts = random_weights(5)
+  tokens = jnp.zeros((1, H), jnp.bfloat16)
+  ids = jnp.asarray([[0, E, E, 2, E, E, E, E]], jnp.int32)
+  for expected_rows in (1, 4, None):
+    jax.make_jaxpr(lambda t, i: moe._moe_experts_per_row(t, i, experts, None, None, expected_rows, None, INTERPRET,
+                                                         False))(tokens, ids)
+  rows, sizes = jnp.zeros((4, H), jnp.bfloat16), jnp.asarray([1, 0, 1, 0, 0, 0], jnp.int32)
+  for expected_rows in (1, None):
+    jax.make_jaxpr(lambda x, g: moe._moe_experts(x, g, experts, None, None, expected_rows, None, INTERPRET,
+                                                 False))(rows, sizes)
+  assert seen == [2, 4, None, 2, None]
+
+
 def test_per_row_compact_grid_is_checked():
   experts = random_weights(3)
   tokens = jnp.zeros((3, H), jnp.bfloat16)
@@ -1140,8 +1171,9 @@ def test_gpu_per_row_compact_grid_gives_the_full_grids_rows(gpu, fmt, dequant):
   tokens = jnp.asarray(np.random.default_rng(63).standard_normal((1, 7168)), jnp.bfloat16)
   ids = jnp.asarray([[e, 3, e, e, 11, e, 7, e]], jnp.int32)
   for expected_rows in (1, 8):
-    full = moe.moe_experts_per_row(tokens, ids, experts, int4_dequant=dequant, expected_rows=expected_rows)
-    for g in (1, 2, 3):
+    full = moe.moe_experts_per_row(tokens, ids, experts, int4_dequant=dequant, expected_rows=expected_rows,
+                                   item_programs=8)
+    for g in (None, 1, 2, 3):  # None: the default, G = 2 at expected_rows=1
       got = moe.moe_experts_per_row(tokens, ids, experts, int4_dequant=dequant, expected_rows=expected_rows,
                                     item_programs=g)
       np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(full, np.float32), err_msg=f"G = {g}")
