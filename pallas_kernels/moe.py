@@ -51,8 +51,8 @@ the experts touched. Here work follows them:
   sums K in fixed chunks of ``CHUNK_K`` features, each from zero in the MMA, and adds the chunks'
   sums in order. Where one program per (output tile, item) would leave SMs idle (the 48-expert
   share at one or two tokens), each chunk is its own program writing float32 sums, and a small
-  kernel (``_fold_kernel``) adds them in the same order and applies the SiLU: 7x the programs,
-  and the same rows bit for bit as the one-program form.
+  kernel (``_fold_kernel``) adds them in the same order and applies the SiLU: 4x the programs at
+  K2.6's widths, and the same rows bit for bit as the one-program form.
 * **Weights**: bf16 in the model's layout (gate/up [E, H, I], down [E, I, H]; the tensor core
   transposes the tile for free), or INT4 kept packed on the device in ``KernelInt4Matrix``'s
   layout: K2.6's nibbles and bf16 scales, the nibbles permuted once (at load) inside blocks of
@@ -392,9 +392,13 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block, leaving room for ba
 # float32, ((0 + c0) + c1) + ... Whether one program runs all chunks or each chunk is its own
 # program (``split_k``: its sums added by ``_fold_kernel`` or in the take), every row's result is
 # then the same bit for bit, so the split can follow the expected work (few experts: more
-# programs) without a row depending on how many rows share its call. 1024: K2.6's gate/up K =
-# 7168 gives 7 chunks, its down K = 2048 two.
-CHUNK_K = 1024
+# programs) without a row depending on how many rows share its call. 1792: K2.6's gate/up K =
+# 7168 gives 4 chunks, a lone expert's 32 output tiles 128 split programs, about one an SM. H200,
+# same run (``results/moe_chunk_k.md``), against 1024 (7 chunks, 224 programs: the first choice):
+# the split per-pair call at T = 1 0.90x at the 48- and 96-expert shares (INT4 15.6 -> 14.1 and
+# 32.3 -> 29.1 us: gate/up and fold both faster), 3584 (2 chunks, 64 programs) 1.01-1.04x; where
+# nothing splits (the 48-expert share's sorted path, T = 9 and 17) 1.00x either way.
+CHUNK_K = 1792
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +447,8 @@ class KernelTiles:
 # keep >= 64 KiB of weight tiles in flight per SM with two programs per SM. INT4: one PACK_BLOCK
 # (256 features) per step, two deep, beat 512-feature steps and three-deep pipelines.
 # INT4's gate/up kernel sums K in chunks (``CHUNK_K``) so that it can split where few experts are
-# touched (``default_tiles``). One H200 run per comparison, 2026-11-30, against one sum over K:
+# touched (``default_tiles``). One H200 run per comparison, 2026-11-30 (chunks of 1024; 1792 since
+# 2026-12-01, ``CHUNK_K``), against one sum over K:
 # the chunks cost 1-2.5% where nothing splits (48 experts T = 17: 132.4 -> 134.9 us a call; 384
 # experts T = 1: 69.1 -> 69.9); the split gate/up saves 17% at 48 experts and T = 1 (28.6 -> 23.8
 # us: the gate/up kernel 18.9 -> 11.2, plus a 2.4 us fold kernel) and 18% at T = 2 (46.5 -> 38.2,
@@ -475,7 +480,7 @@ def expected_touched(num_experts: int, expected_rows: int) -> float:
 def default_tiles(experts, expected_rows: int | None = None) -> KernelTiles:
   """The tuned tiles of the weights' format, adjusted where ``expected_rows`` (rows routed to these
   experts) leaves SMs idle: INT4 splits its gate/up kernel (``split_k``: a program per chunk of K,
-  7x the programs at K2.6's sizes) where its programs (touched experts x output tiles) are
+  4x the programs at K2.6's sizes) where its programs (touched experts x output tiles) are
   expected to fit one per SM; bf16 takes a deeper gate/up ring where at most one gate/up program
   per two SMs is expected. Every choice gives the same rows bit for bit."""
   if isinstance(experts, Int4Experts):
