@@ -22,15 +22,14 @@ not gives 0). Writes ``moe_chunk_k.json`` and ``.md`` (``--name``).
 """
 
 import dataclasses
-import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import bench_moe as bench
+import moe_share
 import results_io
 from pallas_kernels import moe
 
@@ -82,36 +81,21 @@ def markdown(result: dict) -> str:
 
 def time_cell(kind, experts, tokens, stream, repeats) -> list:
   w = bench.make_int4(jax.random.key(experts + 1), experts)
-  routings = bench.routings(tokens, experts, seed=1000 * experts + tokens)
-  touched = float(np.mean([r[2] for r in routings]))
-  roofline_us = bench.weight_bytes("int4", touched) / stream * 1e6
-  if kind == "split":
-    expected = max(1, bench.TOP_K * experts // bench.ALL_EXPERTS)
-    rng = np.random.default_rng(experts)
-    calls = [(jnp.asarray(rng.standard_normal((1, bench.HIDDEN)), jnp.bfloat16), jnp.asarray(r[3])) for r in routings]
-  else:
-    calls = [(r[0], r[1]) for r in routings]
-    expected = bench.expected_rows(*calls[0])
+  cell_ = moe_share.pair_cell(experts) if kind == "split" else moe_share.sorted_cell(experts, tokens)
+  roofline_us = bench.weight_bytes("int4", cell_.touched) / stream * 1e6
   named = variants(kind)
-  steps = {name: bench.in_step(layer(kind, gate_up_tiles(*v), expected)) for name, v in named.items()}
-  outs = {name: np.asarray(jnp.stack(step([c[0] for c in calls], [c[1] for c in calls], w)).astype(jnp.float32))
-          for name, step in steps.items()}
-  timings = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, step in steps.items():
-      timings[name].append(bench.device_in_step(step, calls, w))
-  medians = {name: statistics.median(us for us, _ in timings[name]) for name in steps}
-  first = next(iter(steps))
+  timed = moe_share.time_variants({name: layer(kind, gate_up_tiles(*v), cell_.expected_rows)
+                                   for name, v in named.items()}, cell_, w, repeats)
+  first = timed[next(iter(named))]
   rows = []
-  for name in steps:
-    rel = float(np.linalg.norm(outs[name] - outs[first]) / np.linalg.norm(outs[first]))
-    rows.append(dict(kind=kind, experts=experts, tokens=tokens, touched=touched, variant=name,
-                     chunk_k=named[name][0], split=named[name][1], gpu_us=medians[name], roofline_us=roofline_us,
-                     roofline_fraction=roofline_us / medians[name],
-                     kernels={k: us for k, us in timings[name][-1][1].items() if "mosaic_gpu" in k},
-                     vs_first=medians[name] / medians[first], rel_l2=rel))
-    print(f"{kind} E={experts} T={tokens} {name}: {medians[name]:.1f} us ({roofline_us / medians[name]:.1%}) "
-          f"rel {rel:.1e}", flush=True)
+  for name, t in timed.items():
+    rel = float(np.linalg.norm(t.rows - first.rows) / np.linalg.norm(first.rows))
+    rows.append(dict(kind=kind, experts=experts, tokens=tokens, touched=cell_.touched, variant=name,
+                     chunk_k=named[name][0], split=named[name][1], gpu_us=t.gpu_us, roofline_us=roofline_us,
+                     roofline_fraction=roofline_us / t.gpu_us, kernels=t.kernels, vs_first=t.gpu_us / first.gpu_us,
+                     rel_l2=rel))
+    print(f"{kind} E={experts} T={tokens} {name}: {t.gpu_us:.1f} us ({roofline_us / t.gpu_us:.1%}) rel {rel:.1e}",
+          flush=True)
   return rows
 
 

@@ -15,15 +15,14 @@ whether the rows equal G = 8's bit for bit; it marks the grid that ``moe.default
 picks for the share's expected rows. Writes ``moe_per_row_grid.json`` and ``.md`` (``--name``).
 """
 
-import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import bench_moe as bench
+import moe_share
 import results_io
 from pallas_kernels import moe
 
@@ -76,34 +75,21 @@ def main():
   stream = bench.ceilings()["stream_read_bytes_per_s"]
   rows = []
   for experts in args.experts:
-    expected = max(1, PAIRS * experts // bench.ALL_EXPERTS)
-    default = moe.default_pair_programs(PAIRS, expected) or PAIRS
-    routings = bench.routings(1, experts, seed=1000 * experts + 1)
-    rng = np.random.default_rng(experts)
-    # The token's 8 pairs: ids of experts held elsewhere are E (routed nowhere here).
-    calls = [(jnp.asarray(rng.standard_normal((1, bench.HIDDEN)), jnp.bfloat16), jnp.asarray(r[3])) for r in routings]
-    touched = float(np.mean([r[2] for r in routings]))
+    cell_ = moe_share.pair_cell(experts)
+    default = moe.default_pair_programs(PAIRS, cell_.expected_rows) or PAIRS
     for fmt in args.formats:
       w = (bench.make_bf16 if fmt == "bf16" else bench.make_int4)(jax.random.key(experts + 1), experts)
-      roofline_us = bench.weight_bytes(fmt, touched) / stream * 1e6
-      steps = {g: bench.in_step(layer(g, expected)) for g in args.grids}
-      tokens, ids = [c[0] for c in calls], [c[1] for c in calls]
-      outs = {g: np.asarray(jnp.stack(step(tokens, ids, w)).astype(jnp.float32)) for g, step in steps.items()}
-      timings = {g: [] for g in args.grids}
-      for _ in range(args.repeats):
-        for g, step in steps.items():
-          timings[g].append(bench.device_in_step(step, calls, w))
-      medians = {g: statistics.median(us for us, _ in timings[g]) for g in args.grids}
-      for g in args.grids:
-        same = np.array_equal(outs[g], outs[PAIRS])
-        rows.append(dict(experts=experts, tokens=1, touched=touched, format=fmt, item_programs=g,
-                         default=g == default, gpu_us=medians[g], roofline_us=roofline_us,
-                         roofline_fraction=roofline_us / medians[g],
-                         kernels={k: us for k, us in timings[g][-1][1].items() if "mosaic_gpu" in k},
-                         vs_default=medians[g] / medians[PAIRS], rows="bit-identical" if same else "DIFFER"))
-        print(f"E={experts} {fmt} G={g}: {medians[g]:.1f} us ({roofline_us / medians[g]:.1%}) {rows[-1]['rows']}",
+      roofline_us = bench.weight_bytes(fmt, cell_.touched) / stream * 1e6
+      timed = moe_share.time_variants({g: layer(g, cell_.expected_rows) for g in args.grids}, cell_, w, args.repeats)
+      for g, t in timed.items():
+        same = np.array_equal(t.rows, timed[PAIRS].rows)
+        rows.append(dict(experts=experts, tokens=1, touched=cell_.touched, format=fmt, item_programs=g,
+                         default=g == default, gpu_us=t.gpu_us, roofline_us=roofline_us,
+                         roofline_fraction=roofline_us / t.gpu_us, kernels=t.kernels,
+                         vs_default=t.gpu_us / timed[PAIRS].gpu_us, rows="bit-identical" if same else "DIFFER"))
+        print(f"E={experts} {fmt} G={g}: {t.gpu_us:.1f} us ({roofline_us / t.gpu_us:.1%}) {rows[-1]['rows']}",
               flush=True)
-    del w
+      del w
   command = "PYTHONPATH=. python3 " + " ".join(sys.argv)
   results_io.save_rows(rows, out=args.out, name=args.name, command=command, start=start, markdown=markdown,
                        merge=False, cell=cell, repeats=args.repeats)

@@ -47,3 +47,33 @@ def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
   assert jax.default_backend() != "gpu"
   with pytest.raises(SystemExit, match="run it on the GPU"):
     run_main(monkeypatch, bench, "--out", str(tmp_path))
+
+
+def test_main_writes_a_row_per_cell_and_variant(bench, tmp_path, monkeypatch):
+  """The script's glue on the CPU: cells, variants, roofline and distances from the first variant,
+  with the timing and the kernels faked."""
+  import json
+
+  import numpy as np
+
+  share, timing = bench.moe_share, bench.bench
+  monkeypatch.setattr(bench.results_io, "require_gpu", lambda script: None)
+  monkeypatch.setattr(timing, "ceilings", lambda: {"stream_read_bytes_per_s": 4e12})
+  monkeypatch.setattr(timing, "make_int4", lambda key, experts: None)
+  monkeypatch.setattr(share, "pair_cell", lambda experts: share.Cell([], experts / 48, 1))
+  monkeypatch.setattr(share, "sorted_cell", lambda experts, tokens: share.Cell([], float(tokens), tokens))
+
+  def fake_time_variants(layers, cell, w, repeats):
+    return {name: share.Timed(10.0 + i, {"k": 1.0}, np.full(4, 1.0 + i)) for i, name in enumerate(layers)}
+  monkeypatch.setattr(share, "time_variants", fake_time_variants)
+  run_main(monkeypatch, bench, "--out", str(tmp_path), "--repeats", "2")
+  result = json.loads((tmp_path / "moe_chunk_k.json").read_text())
+  rows = result["rows"]
+  assert result["repeats"] == 2 and len(rows) == 2 * 4 + 2 * 4
+  assert [(r["kind"], r["experts"], r["tokens"]) for r in rows[::4]] == [("split", 48, 1), ("split", 96, 1),
+                                                                         ("sorted", 48, 9), ("sorted", 48, 17)]
+  third = rows[2]  # split 3584 at 48 experts: 12 us, rows 3 against 1
+  assert third["variant"] == "split 3584" and third["vs_first"] == pytest.approx(1.2)
+  assert third["rel_l2"] == pytest.approx(2.0)
+  assert third["roofline_us"] == pytest.approx(timing.weight_bytes("int4", 1.0) / 4e12 * 1e6)
+  assert (tmp_path / "moe_chunk_k.md").read_text().count("\n| split |") == 8

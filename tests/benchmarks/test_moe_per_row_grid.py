@@ -48,3 +48,26 @@ def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
   assert jax.default_backend() != "gpu"
   with pytest.raises(SystemExit, match="run it on the GPU"):
     run_main(monkeypatch, bench, "--out", str(tmp_path))
+
+
+def test_main_marks_the_default_grid_and_compares_rows_with_a_program_per_pair(bench, tmp_path, monkeypatch):
+  import json
+
+  import numpy as np
+
+  share, timing = bench.moe_share, bench.bench
+  monkeypatch.setattr(bench.results_io, "require_gpu", lambda script: None)
+  monkeypatch.setattr(timing, "ceilings", lambda: {"stream_read_bytes_per_s": 4e12})
+  monkeypatch.setattr(timing, "make_bf16", lambda key, experts: None)
+  monkeypatch.setattr(share, "pair_cell", lambda experts: share.Cell([], 0.8, experts // 48))
+
+  def fake_time_variants(layers, cell, w, repeats):  # G = 3 rounds differently
+    return {g: share.Timed(20.0 + g, {}, np.full(2, 1.0 if g != 3 else 2.0)) for g in layers}
+  monkeypatch.setattr(share, "time_variants", fake_time_variants)
+  run_main(monkeypatch, bench, "--out", str(tmp_path), "--formats", "bf16", "--experts", "48", "192",
+           "--grids", "8", "4", "3", "2")
+  rows = json.loads((tmp_path / "moe_per_row_grid.json").read_text())["rows"]
+  marks = [(r["experts"], r["item_programs"]) for r in rows if r["default"]]
+  assert marks == [(48, 2), (192, 4)]  # moe.default_pair_programs(8, 1) and (8, 4)
+  assert [r["rows"] for r in rows[:4]] == ["bit-identical", "bit-identical", "DIFFER", "bit-identical"]
+  assert rows[3]["vs_default"] == pytest.approx(22.0 / 28.0)

@@ -660,6 +660,23 @@ def chunk_case(fmt, seed):
   return x, sizes, experts, dims
 
 
+def test_deeper_int4_rings_give_the_same_rows_bit_for_bit():
+  """INT4 with deeper gate/up and down rings (``benchmarks/moe_int4_stages.py``'s variants), split
+  and not, gives the two-deep rows bit for bit (the depth changes only the buffering), also where
+  the ring is deeper than a program's steps (the split's 2 steps a chunk here)."""
+  x, sizes, experts, _ = chunk_case("int4", seed=53)
+  g = jnp.asarray(sizes)
+  for split in (False, True):
+    tiles = chunked_tiles("int4", split)
+    want = moe.moe_experts(x, g, experts, tiles=tiles, per_row=False, interpret=INTERPRET)
+    for gate_up, down in ((3, 2), (4, 4)):
+      deep = dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, stages=gate_up),
+                                 down=dataclasses.replace(tiles.down, stages=down))
+      got = moe.moe_experts(x, g, experts, tiles=deep, per_row=False, interpret=INTERPRET)
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                    err_msg=f"split {split}, stages {gate_up}x{down}")
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_split_chunks_give_the_one_program_rows_bit_for_bit(fmt):
   """Each chunk of K its own program (float32 chunk sums added by ``_fold_kernel`` for gate/up, in
