@@ -3,6 +3,7 @@
     python -m ddtree_jax.generate                        # the bundled demo pair, a code prompt
     python -m ddtree_jax.generate --prompt "import os" --policy chain --budget 8 --max-new-tokens 96
     python -m ddtree_jax.generate --attention-impl pallas --moe-impl pallas --dtype bfloat16   # on a GPU
+    python -m ddtree_jax.generate --policy-module my_policies.py --policy my_policy   # a policy of your own
 
 The defaults run the bundled ``kimi-demo`` target (a 16M-parameter Kimi-architecture model trained
 on Python sources) with its DFlash drafter. Unless ``--no-compare`` is given, the same prompt is
@@ -16,7 +17,7 @@ import sys
 
 import jax
 
-from ddtree_jax import drafters, engine, policies
+from ddtree_jax import drafters, engine, policies, policy_modules
 from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, loading
 from models.config import KERNEL_IMPLS, kernel_backend_error
@@ -26,14 +27,18 @@ from models.config import KERNEL_IMPLS, kernel_backend_error
 DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON configuration file and return it as a dict."""'
 
 
+PROG = "python -m ddtree_jax.generate"
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  policy_modules.load_from_argv(argv, PROG)  # before --policy's choices are listed
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="kimi-demo", help="bundled model name or checkpoint directory")
   parser.add_argument("--drafter", default="kimi-demo-dflash", help="bundled drafter name or directory")
   parser.add_argument("--prompt", default=DEFAULT_PROMPT)
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--policy", default="ddtree", choices=policies.available_policies())
+  policy_modules.add_argument(parser)
   parser.add_argument("--budget", type=int, default=16, help="tree nodes per step; 0 = autoregressive")
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--top-p", type=float, default=1.0)

@@ -4,6 +4,7 @@
     python -m ddtree_jax.serve --spec none                       # plain autoregressive decoding
     python -m ddtree_jax.serve --budget 1:32,4:16,16:8 --max-batch 16 --api-key secret
     python -m ddtree_jax.serve --attention-impl pallas --moe-impl pallas   # the Pallas kernels (GPU)
+    python -m ddtree_jax.serve --policy-module my_policies.py --spec my_policy   # a policy of your own
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health (200 once warm-up compilation is done), GET /metrics (Prometheus).
@@ -15,20 +16,23 @@ import argparse
 import logging
 import sys
 
-from ddtree_jax import policies
+from ddtree_jax import policies, policy_modules
+
+PROG = "python -m ddtree_jax.serve"
 
 
 def parse_args(argv=None):
   from serve.config import KERNEL_IMPLS, ServeConfig  # pylint: disable=import-outside-toplevel
   defaults = ServeConfig()
-  parser = argparse.ArgumentParser(prog="python -m ddtree_jax.serve", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  policy_modules.load_from_argv(argv, PROG)  # before --spec's choices are listed
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default=defaults.model, help="bundled model name or checkpoint directory")
   parser.add_argument("--drafter", default=defaults.drafter, help="bundled drafter name or checkpoint directory")
   parser.add_argument("--served-model-name", default=None, help="the name clients send as 'model' "
                       "(default: the model directory's name)")
   parser.add_argument("--spec", default=defaults.spec, choices=["none", *policies.available_policies()],
                       help="tree policy; 'none' decodes plainly (autoregressive)")
+  policy_modules.add_argument(parser)
   parser.add_argument("--budget", default=defaults.budget,
                       help="tree budget: an int, or 'size:budget,...' by running batch size (a batch of n uses "
                            "the first entry with size >= n; the last covers larger batches)")

@@ -1,0 +1,86 @@
+"""``--policy-module``: a policy from a file or module of its own is registered once, offered by
+the server's and the generation CLI's choices, decodes losslessly, and every failure names the
+module."""
+
+import pytest
+
+from ddtree_jax import generate, policies, policy_modules
+from ddtree_jax import serve as serve_cli
+
+POLICY_FILE = '''
+from ddtree_jax import policies
+
+
+@policies.register_policy("{name}")
+def {name}(root_tokens, start, ids, logprobs, budget, max_depth=None):
+  # The chain: the drafter's top-1 token at each depth.
+  return policies.get_policy("chain")(root_tokens, start, ids, logprobs, budget, max_depth)
+'''
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry(monkeypatch):
+  """Each test registers into a copy of the registry, so no test policy outlives its test."""
+  monkeypatch.setattr(policies, "_POLICIES", dict(policies._POLICIES))  # pylint: disable=protected-access
+  monkeypatch.setattr(policy_modules, "_LOADED", {})
+
+
+def policy_file(tmp_path, name, body=POLICY_FILE):
+  path = tmp_path / f"{name}_policies.py"
+  path.write_text(body.format(name=name))
+  return path
+
+
+def test_a_file_registers_its_policies_once(tmp_path):
+  path = policy_file(tmp_path, "my_chain")
+  assert "my_chain" not in policies.available_policies()
+  assert policy_modules.load_policy_module(str(path)) == ("my_chain",)
+  assert "my_chain" in policies.available_policies()
+  assert policy_modules.load_policy_module(str(path)) == ("my_chain",)  # again: not re-imported (no duplicate)
+
+
+def test_a_dotted_module_registers_its_policies(tmp_path, monkeypatch):
+  package = tmp_path / "lab_policies"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "trees.py").write_text(POLICY_FILE.format(name="lab_chain"))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert policy_modules.load_policy_module("lab_policies.trees") == ("lab_chain",)
+
+
+@pytest.mark.parametrize("body,message", [
+    (None, "no such file"),
+    ("raise RuntimeError('bad import')", "failed to import: RuntimeError: bad import"),
+    ("x = 1", "registered no policy"),
+    (POLICY_FILE.format(name="chain"), "failed to import: ValueError: policy 'chain' is already registered"),
+])
+def test_failures_name_the_module(tmp_path, body, message):
+  path = tmp_path / "broken.py"
+  if body is not None:
+    path.write_text(body)
+  with pytest.raises(ValueError, match=f"policy module '{path}'.*{message}"):
+    policy_modules.load_policy_module(str(path))
+  with pytest.raises(ValueError, match="policy module 'no_such_package.policies' failed to import: "
+                                       "ModuleNotFoundError"):
+    policy_modules.load_policy_module("no_such_package.policies")
+
+
+def test_the_server_offers_a_module_policy_as_spec(tmp_path, capsys):
+  path = policy_file(tmp_path, "served_chain")
+  config, _ = serve_cli.parse_args(["--policy-module", str(path), "--spec", "served_chain"])
+  assert config.spec == "served_chain"
+  with pytest.raises(SystemExit) as exit_info:
+    serve_cli.parse_args(["--policy-module", str(tmp_path / "missing.py"), "--spec", "served_chain"])
+  assert exit_info.value.code == 2
+  assert f"python -m ddtree_jax.serve: error: policy module '{tmp_path / 'missing.py'}': no such file" in \
+      capsys.readouterr().err
+
+
+def test_generate_decodes_losslessly_with_a_module_policy(tmp_path, capsys):
+  path = policy_file(tmp_path, "cli_chain")
+  code = generate.main(["--policy-module", str(path), "--policy", "cli_chain", "--max-new-tokens", "8",
+                        "--budget", "4", "--prompt", "import os"])
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "policy cli_chain, budget 4, float32: 8 tokens" in out
+  assert "speculative output identical (greedy)" in out
