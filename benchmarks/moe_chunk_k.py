@@ -18,7 +18,8 @@ variant of a cell in turn, ``--repeats`` times):
 Each row: GPU us per layer call, the fraction of the touched experts' read roofline (stream
 measured in the same run), the kernels' shares, the time against the first variant of its cell,
 and the rows' relative L2 distance from it (chunk sizes round differently; the same size split or
-not gives 0). Writes ``moe_chunk_k.json`` and ``.md`` (``--name``).
+not gives 0). The first variants use chunks of 1024, the default before this script's run made it
+1792. Writes ``moe_chunk_k.json`` and ``.md`` (``--name``).
 """
 
 import dataclasses
@@ -103,6 +104,7 @@ def main():
   parser = results_io.results_parser(__doc__, "moe_chunk_k")
   parser.add_argument("--repeats", type=int, default=REPEATS)
   args = parser.parse_args()
+  results_io.check_positive(parser, repeats=args.repeats)
   results_io.require_gpu("moe_chunk_k.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]

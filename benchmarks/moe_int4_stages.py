@@ -81,10 +81,13 @@ def main():
   parser.add_argument("--repeats", type=int, default=REPEATS)
   args = parser.parse_args()
   try:
-    for depth in args.depths:
-      parse_depth(depth)
+    depths = [parse_depth(depth) for depth in args.depths]
   except ValueError as e:
     parser.error(str(e))
+  default = (moe.INT4_TILES.gate_up.stages, moe.INT4_TILES.down.stages)
+  if depths[0] != default:
+    parser.error(f"--depths must start with the default tiles' {default[0]}x{default[1]} (the reference)")
+  results_io.check_positive(parser, repeats=args.repeats, tokens=min(args.tokens))
   results_io.require_gpu("moe_int4_stages.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]

@@ -26,9 +26,9 @@ import moe_share
 import results_io
 from pallas_kernels import moe
 
-EXPERTS = (48,)
-GRIDS = (8, 4, 3, 2)
-REPEATS = 3
+EXPERTS = (48, 96)
+GRIDS = (8, 4, 3, 2, 1)
+REPEATS = 5
 PAIRS = 8  # bench_moe.TOP_K pairs of one token
 
 
@@ -70,6 +70,7 @@ def main():
   args = parser.parse_args()
   if PAIRS not in args.grids or any(not 1 <= g <= PAIRS for g in args.grids):
     parser.error(f"--grids must be in [1, {PAIRS}] and include {PAIRS} (the baseline)")
+  results_io.check_positive(parser, repeats=args.repeats, experts=min(args.experts))
   results_io.require_gpu("moe_per_row_grid.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]

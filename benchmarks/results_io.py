@@ -52,6 +52,13 @@ def results_parser(doc: str, name: str, merge: bool = False) -> argparse.Argumen
   return parser
 
 
+def check_positive(parser: argparse.ArgumentParser, **values) -> None:
+  """Exits with a usage error naming the first of ``values`` (option name -> int) below 1."""
+  for name, value in values.items():
+    if value < 1:
+      parser.error(f"--{name} must be >= 1, got {value}")
+
+
 def require_gpu(script: str) -> None:
   """Exits with a message naming ``script`` unless jax runs on a GPU (the scripts time GPU kernels)."""
   if jax.default_backend() != "gpu":

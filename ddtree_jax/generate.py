@@ -32,7 +32,9 @@ PROG = "python -m ddtree_jax.generate"
 
 def main(argv=None) -> int:
   policy_modules.load_from_argv(argv, PROG)  # before --policy's choices are listed
-  parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  # Whole flags only: --policy-module was read by its own pass, which an abbreviation would skip.
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   allow_abbrev=False)
   parser.add_argument("--model", default="kimi-demo", help="bundled model name or checkpoint directory")
   parser.add_argument("--drafter", default="kimi-demo-dflash", help="bundled drafter name or directory")
   parser.add_argument("--prompt", default=DEFAULT_PROMPT)

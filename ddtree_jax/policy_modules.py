@@ -8,8 +8,10 @@ built-in one::
     python -m ddtree_jax.serve --policy-module my_policies.py --spec ddtree_floor
     python -m ddtree_jax.generate --policy-module my_pkg.policies --policy ddtree_floor
 
-Every error names the module: a missing file, a module that fails to import (with its error) and
-one that registers no policy.
+A dotted name is imported from ``sys.path`` (``python -m`` puts the working directory there, the
+``ddtree-serve`` console script does not: a path to the file works under both). Every error names
+the module: a missing file, a module that fails to import (with its error; what it registered
+before failing is removed again) and one that registers no policy.
 """
 
 import argparse
@@ -22,57 +24,74 @@ from pathlib import Path
 from ddtree_jax import policies
 
 FLAG = "--policy-module"
-# source (a resolved file path or a module name) -> the policies its import registered, so that a
-# second load in one process (a test calling a CLI twice) returns them instead of importing again.
+# Module name -> the policies it registered, so that loading a module again (a test or notebook
+# calling a CLI twice, two flags naming one module) returns them instead of importing it again.
 _LOADED: dict = {}
+
+
+def _module_name(source: str) -> tuple:
+  """(module name, file path or None): a file gets a name of its own per resolved path, so two
+  files of one stem do not replace each other in ``sys.modules``."""
+  if not (source.endswith(".py") or "/" in source or "\\" in source):
+    return source, None
+  path = Path(source)
+  digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+  return f"_ddtree_policy_module_{path.stem}_{digest}", path
+
+
+def _registered_by(module_name: str) -> set:
+  """Registered policies whose function was defined in ``module_name``."""
+  return {name for name, fn in policies._POLICIES.items()  # pylint: disable=protected-access
+          if getattr(fn, "__module__", None) == module_name}
 
 
 def load_policy_module(source: str) -> tuple:
   """Imports ``source``, a path to a ``.py`` file or a dotted module name, for the tree policies it
-  registers (``policies.register_policy``); returns their names. Loading a source again returns
+  registers (``policies.register_policy``); returns their names. Loading a module again returns
   the names of its first load. A ValueError names the source on any failure."""
-  is_file = source.endswith(".py") or "/" in source or "\\" in source
-  key = str(Path(source).resolve()) if is_file else source
-  if key in _LOADED:
-    return _LOADED[key]
+  module_name, path = _module_name(source)
+  if module_name in _LOADED:
+    return _LOADED[module_name]
+  if path is not None and not path.is_file():
+    raise ValueError(f"policy module {source!r}: no such file")
   before = set(policies.available_policies())
-  if is_file:
-    path = Path(source)
-    if not path.is_file():
-      raise ValueError(f"policy module {source!r}: no such file")
-    # A name of its own per file, so two files of one stem do not replace each other in sys.modules.
-    name = f"_ddtree_policy_module_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-      spec.loader.exec_module(module)
-    except Exception as err:
-      del sys.modules[name]
-      raise ValueError(f"policy module {source!r} failed to import: {type(err).__name__}: {err}") from err
-  else:
-    try:
-      importlib.import_module(source)
-    except Exception as err:
-      raise ValueError(f"policy module {source!r} failed to import: {type(err).__name__}: {err}") from err
-  added = tuple(sorted(set(policies.available_policies()) - before))
+  try:
+    if path is None:
+      importlib.import_module(module_name)
+    elif module_name not in sys.modules:
+      spec = importlib.util.spec_from_file_location(module_name, path)
+      module = importlib.util.module_from_spec(spec)
+      sys.modules[module_name] = module
+      try:
+        spec.loader.exec_module(module)
+      except BaseException:
+        del sys.modules[module_name]
+        raise
+  except Exception as err:
+    for name in set(policies.available_policies()) - before:  # a half-imported module's policies
+      del policies._POLICIES[name]  # pylint: disable=protected-access
+    raise ValueError(f"policy module {source!r} failed to import: {type(err).__name__}: {err}") from err
+  # New names, and those of a module some earlier import had already run (its policies are
+  # registered, so the registry did not change now).
+  added = tuple(sorted((set(policies.available_policies()) - before) | _registered_by(module_name)))
   if not added:
     raise ValueError(f"policy module {source!r} registered no policy (decorate a policy function with "
                      "@policies.register_policy(name))")
-  _LOADED[key] = added
+  _LOADED[module_name] = added
   return added
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(FLAG, action="append", default=[], metavar="PATH_OR_MODULE",
-                      help="a .py file or module that registers tree policies (policies.register_policy) to "
-                           "offer beside the built-in ones; may be given more than once")
+                      help="a .py file (or a module on sys.path) that registers tree policies "
+                           "(policies.register_policy) to offer beside the built-in ones; may be given more than once")
 
 
 def load_from_argv(argv, prog: str) -> None:
   """Loads every ``--policy-module`` of ``argv`` (None: ``sys.argv[1:]``) before the caller builds
   its parser, whose policy choices then include theirs; exits with a usage error naming a module
-  that fails."""
+  that fails. The caller's parser must not take abbreviated flags (``allow_abbrev=False``): this
+  pass reads only the whole flag, so an abbreviation would reach the parser unloaded."""
   pre = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)  # "--policy" is not ours
   add_argument(pre)
   known, _ = pre.parse_known_args(argv)

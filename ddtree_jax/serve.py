@@ -25,7 +25,9 @@ def parse_args(argv=None):
   from serve.config import KERNEL_IMPLS, ServeConfig  # pylint: disable=import-outside-toplevel
   defaults = ServeConfig()
   policy_modules.load_from_argv(argv, PROG)  # before --spec's choices are listed
-  parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  # Whole flags only: --policy-module was read by its own pass, which an abbreviation would skip.
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   allow_abbrev=False)
   parser.add_argument("--model", default=defaults.model, help="bundled model name or checkpoint directory")
   parser.add_argument("--drafter", default=defaults.drafter, help="bundled drafter name or checkpoint directory")
   parser.add_argument("--served-model-name", default=None, help="the name clients send as 'model' "

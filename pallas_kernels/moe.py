@@ -11,8 +11,9 @@ the experts touched. Here work follows them:
 
 * **Per-pair items** (``moe_experts_per_row``; ``moe_experts`` at A <= ``PER_ROW_MAX_ROWS``): one
   token's rows (top-8: distinct experts) are each their own item, with no work list at all (below).
-  With ``item_programs`` below the pairs, a compact grid whose programs find the live pairs in
-  their prologue (``_live_first``): the dead pairs of a step launch no programs of their own.
+  With ``item_programs`` below the pairs (by default where ``expected_rows`` is: an expert-parallel
+  share, ``default_pair_programs``), a compact grid whose programs find the live pairs in their
+  prologue (``_live_first``): the dead pairs of a step launch no programs of their own.
 * **Work list** (``work_list`` in plain jnp, or the gate/up kernel itself: below): each non-empty
   expert's rows are covered by
   windows of ``block_rows`` (R) rows of x_sorted, starting at its first row rounded down to 8 (the
@@ -73,8 +74,8 @@ in one executable, GPU time from CUPTI; the launch order is ``KernelTiles.grid_o
 bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 384 experts and
 88-95% for T = 9..136 with the 48-expert share; INT4 at 60-75% for T = 9..136 with 384 experts
 (the spread of runs of the same code; 63% at T = 1 with per-pair items, 54% with the sorted work
-list) and 52-70% for T = 9..136 with 48, 23% at T = 1 (``moe_waves.md``: what bounds the share's
-small T). Where few experts are
+list) and 52-70% for T = 9..136 with 48, 24% at T = 1 (31% with the row ids and chunks of 1792,
+``moe_chunk_k.md``; ``moe_waves.md``: what bounds the share's small T). Where few experts are
 touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172
 registers a thread, so two programs and two warps per scheduler) ncu reads DRAM at 61% of its
 peak and the schedulers issuing in 57% of cycles, with 0.81 eligible warps; a third pipeline
@@ -395,8 +396,8 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block, leaving room for ba
 # programs) without a row depending on how many rows share its call. 1792: K2.6's gate/up K =
 # 7168 gives 4 chunks, a lone expert's 32 output tiles 128 split programs, about one an SM. H200,
 # same run (``results/moe_chunk_k.md``), against 1024 (7 chunks, 224 programs: the first choice):
-# the split per-pair call at T = 1 0.90x at the 48- and 96-expert shares (INT4 15.6 -> 14.1 and
-# 32.3 -> 29.1 us: gate/up and fold both faster), 3584 (2 chunks, 64 programs) 1.01-1.04x; where
+# the split per-pair call at T = 1 0.90x at the 48- and 96-expert shares (INT4 15.5 -> 14.1 and
+# 32.2 -> 29.1 us: gate/up and fold both faster), 3584 (2 chunks, 64 programs) 1.01-1.04x; where
 # nothing splits (the 48-expert share's sorted path, T = 9 and 17) 1.00x either way.
 CHUNK_K = 1792
 
@@ -964,22 +965,21 @@ LIVE_FIRST_MAX_ITEMS = 16
 # one token's 8 pairs, GPU us a call, each grid against a program per pair in the same run, rows bit
 # for bit alike): the 48-expert share (1 expected live pair) with G = 2: bf16 22.6 against 26.2
 # (0.86x), INT4 15.5 against 17.8 (0.87x); G = 1, 3 and 4 gained less (bf16 G = 3 and 4 moved by
-# 8% between two runs, G = 2 by 1%). The 96-expert share (2 expected): G = 2 bf16 0.97x, INT4 0.97x
+# 4-9% between two runs, G = 2 by 1%). The 96-expert share (2 expected): G = 2 bf16 0.97x, INT4 0.97x
 # (G = 3: 1.02x and 0.95x).
-PAIR_PROGRAMS_PER_LIVE_PAIR = 1
 PAIR_PROGRAMS_MIN = 2
 
 
 def default_pair_programs(pairs: int, expected_rows: int | None) -> int | None:
   """Programs along per-pair items (``item_programs`` of ``moe_experts_per_row``): None (a program
   per pair) unless ``expected_rows`` (the pairs expected to be routed to these experts) is below
-  ``pairs``; then a compact grid of ``PAIR_PROGRAMS_PER_LIVE_PAIR`` programs per expected live pair
-  (at least ``PAIR_PROGRAMS_MIN``), None again where that is no fewer than the pairs or there are
+  ``pairs``; then a compact grid of a program per expected live pair (at least
+  ``PAIR_PROGRAMS_MIN``), None again where that is no fewer than the pairs or there are
   more than ``LIVE_FIRST_MAX_ITEMS`` pairs. The dead pairs then launch no programs of their own, and
   a step with more live pairs than programs runs them in a second round (same rows)."""
   if expected_rows is None or expected_rows >= pairs or pairs > LIVE_FIRST_MAX_ITEMS:
     return None
-  programs = max(PAIR_PROGRAMS_MIN, PAIR_PROGRAMS_PER_LIVE_PAIR * expected_rows)
+  programs = max(PAIR_PROGRAMS_MIN, expected_rows)
   return programs if programs < pairs else None
 
 

@@ -1,8 +1,11 @@
 """``benchmarks/moe_chunk_k.py``: its variants call the chunk sizes and splits they name, its table
 puts each measurement in its row, and it refuses to run off the GPU."""
 
+import json
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import moe
@@ -43,6 +46,12 @@ def test_markdown_rows(bench):
   assert bench.cell(rows[1]) == ("sorted", 48, 9, 3)
 
 
+def test_repeats_below_one_are_refused(bench, monkeypatch, capsys):
+  with pytest.raises(SystemExit):
+    run_main(monkeypatch, bench, "--repeats", "0")
+  assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
   assert jax.default_backend() != "gpu"
   with pytest.raises(SystemExit, match="run it on the GPU"):
@@ -52,10 +61,6 @@ def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
 def test_main_writes_a_row_per_cell_and_variant(bench, tmp_path, monkeypatch):
   """The script's glue on the CPU: cells, variants, roofline and distances from the first variant,
   with the timing and the kernels faked."""
-  import json
-
-  import numpy as np
-
   share, timing = bench.moe_share, bench.bench
   monkeypatch.setattr(bench.results_io, "require_gpu", lambda script: None)
   monkeypatch.setattr(timing, "ceilings", lambda: {"stream_read_bytes_per_s": 4e12})

@@ -32,11 +32,17 @@ def test_variants_deepen_the_rings_they_name(bench, monkeypatch):
   assert seen == [("pairs", dict(expected_rows=3, tiles=tiles)), ("sorted", dict(expected_rows=3, tiles=tiles))]
 
 
-def test_bad_depths_are_refused(bench, monkeypatch, capsys):
+def test_bad_arguments_are_refused(bench, monkeypatch, capsys):
   for depth in ("4", "1x2", "ax2", "2x2x2"):
     with pytest.raises(SystemExit):
       run_main(monkeypatch, bench, "--depths", "2x2", depth)
     assert f"--depths {depth!r}: expected gate/up stages x down stages" in capsys.readouterr().err
+  for args, message in ((["--depths", "4x4", "2x2"], "--depths must start with the default tiles' 2x2"),
+                        (["--tokens", "1", "0"], "--tokens must be >= 1, got 0"),
+                        (["--repeats", "0"], "--repeats must be >= 1, got 0")):
+    with pytest.raises(SystemExit):
+      run_main(monkeypatch, bench, *args)
+    assert message in capsys.readouterr().err
 
 
 def test_markdown_rows(bench):

@@ -1,8 +1,11 @@
 """``benchmarks/moe_per_row_grid.py``: its variants call the grids they name on the token's pairs,
 its table puts each measurement in its row, and it refuses to run off the GPU."""
 
+import json
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import moe
@@ -37,11 +40,16 @@ def test_markdown_rows(bench):
   assert "the median of 5 timings" in text
 
 
-def test_rejects_grids_without_the_baseline(bench, monkeypatch, capsys):
+def test_rejects_grids_without_the_baseline_and_bad_counts(bench, monkeypatch, capsys):
   for grids in (["4", "2"], ["8", "9"], ["8", "0"]):
     with pytest.raises(SystemExit):
       run_main(monkeypatch, bench, "--grids", *grids)
     assert "--grids must be in [1, 8] and include 8" in capsys.readouterr().err
+  for args, message in ((["--repeats", "0"], "--repeats must be >= 1, got 0"),
+                        (["--experts", "48", "0"], "--experts must be >= 1, got 0")):
+    with pytest.raises(SystemExit):
+      run_main(monkeypatch, bench, *args)
+    assert message in capsys.readouterr().err
 
 
 def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
@@ -51,10 +59,6 @@ def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
 
 
 def test_main_marks_the_default_grid_and_compares_rows_with_a_program_per_pair(bench, tmp_path, monkeypatch):
-  import json
-
-  import numpy as np
-
   share, timing = bench.moe_share, bench.bench
   monkeypatch.setattr(bench.results_io, "require_gpu", lambda script: None)
   monkeypatch.setattr(timing, "ceilings", lambda: {"stream_read_bytes_per_s": 4e12})

@@ -1,6 +1,9 @@
 """``--policy-module``: a policy from a file or module of its own is registered once, offered by
 the server's and the generation CLI's choices, decodes losslessly, and every failure names the
-module."""
+module (and takes back what a half-imported module registered)."""
+
+import re
+import sys
 
 import pytest
 
@@ -20,9 +23,15 @@ def {name}(root_tokens, start, ids, logprobs, budget, max_depth=None):
 
 @pytest.fixture(autouse=True)
 def isolated_registry(monkeypatch):
-  """Each test registers into a copy of the registry, so no test policy outlives its test."""
+  """Each test registers into a copy of the registry, and the modules it imported leave
+  sys.modules after it, so no test policy or module outlives its test."""
   monkeypatch.setattr(policies, "_POLICIES", dict(policies._POLICIES))  # pylint: disable=protected-access
   monkeypatch.setattr(policy_modules, "_LOADED", {})
+  before = set(sys.modules)
+  yield
+  for name in set(sys.modules) - before:
+    if name.startswith(("_ddtree_policy_module_", "lab_policies")):
+      del sys.modules[name]
 
 
 def policy_file(tmp_path, name, body=POLICY_FILE):
@@ -39,13 +48,15 @@ def test_a_file_registers_its_policies_once(tmp_path):
   assert policy_modules.load_policy_module(str(path)) == ("my_chain",)  # again: not re-imported (no duplicate)
 
 
-def test_a_dotted_module_registers_its_policies(tmp_path, monkeypatch):
+def test_a_dotted_module_registers_its_policies_also_when_imported_before(tmp_path, monkeypatch):
   package = tmp_path / "lab_policies"
   package.mkdir()
   (package / "__init__.py").write_text("")
   (package / "trees.py").write_text(POLICY_FILE.format(name="lab_chain"))
+  (package / "more.py").write_text("from lab_policies import trees\n" + POLICY_FILE.format(name="lab_more"))
   monkeypatch.syspath_prepend(str(tmp_path))
-  assert policy_modules.load_policy_module("lab_policies.trees") == ("lab_chain",)
+  assert policy_modules.load_policy_module("lab_policies.more") == ("lab_chain", "lab_more")  # trees came along
+  assert policy_modules.load_policy_module("lab_policies.trees") == ("lab_chain",)  # imported already: its own
 
 
 @pytest.mark.parametrize("body,message", [
@@ -58,22 +69,41 @@ def test_failures_name_the_module(tmp_path, body, message):
   path = tmp_path / "broken.py"
   if body is not None:
     path.write_text(body)
-  with pytest.raises(ValueError, match=f"policy module '{path}'.*{message}"):
+  with pytest.raises(ValueError, match=f"policy module {re.escape(repr(str(path)))}.*{message}"):
     policy_modules.load_policy_module(str(path))
+
+
+def test_a_missing_dotted_module_is_named():
   with pytest.raises(ValueError, match="policy module 'no_such_package.policies' failed to import: "
                                        "ModuleNotFoundError"):
     policy_modules.load_policy_module("no_such_package.policies")
 
 
-def test_the_server_offers_a_module_policy_as_spec(tmp_path, capsys):
-  path = policy_file(tmp_path, "served_chain")
-  config, _ = serve_cli.parse_args(["--policy-module", str(path), "--spec", "served_chain"])
-  assert config.spec == "served_chain"
-  with pytest.raises(SystemExit) as exit_info:
-    serve_cli.parse_args(["--policy-module", str(tmp_path / "missing.py"), "--spec", "served_chain"])
-  assert exit_info.value.code == 2
-  assert f"python -m ddtree_jax.serve: error: policy module '{tmp_path / 'missing.py'}': no such file" in \
-      capsys.readouterr().err
+def test_a_module_failing_after_registering_takes_its_policies_back(tmp_path):
+  path = tmp_path / "half.py"
+  path.write_text(POLICY_FILE.format(name="half_chain") + "\nraise RuntimeError('later')\n")
+  for _ in range(2):  # the retry meets the real error again, not "already registered"
+    with pytest.raises(ValueError, match="failed to import: RuntimeError: later"):
+      policy_modules.load_policy_module(str(path))
+    assert "half_chain" not in policies.available_policies()
+
+
+def test_the_server_offers_module_policies_as_spec(tmp_path, capsys):
+  first, second = policy_file(tmp_path, "served_chain"), policy_file(tmp_path, "other_chain")
+  config, args = serve_cli.parse_args(["--policy-module", str(first), "--policy-module", str(second),
+                                       "--spec", "other_chain"])
+  assert config.spec == "other_chain" and args.policy_module == [str(first), str(second)]
+  assert {"served_chain", "other_chain"} <= set(policies.available_policies())
+  missing = tmp_path / "missing.py"
+  for argv, message in (
+      (["--policy-module", str(missing), "--spec", "served_chain"],
+       f"python -m ddtree_jax.serve: error: policy module '{missing}': no such file"),
+      # An abbreviation would skip the pass that imports the modules: refused as a whole.
+      (["--policy-mod", str(first)], "unrecognized arguments: --policy-mod")):
+    with pytest.raises(SystemExit) as exit_info:
+      serve_cli.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_generate_decodes_losslessly_with_a_module_policy(tmp_path, capsys):
