@@ -28,7 +28,10 @@ class Drafter(Protocol):
   feature_layers: tuple[int, ...]
 
   def init_state(self, num_slots: int, max_len: int) -> Any:
-    """The context cache for ``num_slots`` slots plus the scratch slot ``num_slots``."""
+    """The context cache for ``num_slots`` slots plus the scratch slot ``num_slots``.
+
+    A drafter may also define ``check_params(params)``, raising ValueError for parameters it cannot
+    use; the engine calls it when it is built."""
 
   def reset(self, params, state, slot, prompt) -> Any:
     """Empties ``slot`` for a new request. Called eagerly at admission, before the prompt's

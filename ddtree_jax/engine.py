@@ -25,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ddtree_jax import policies
+from ddtree_jax import tree as tree_lib
 from ddtree_jax import verify as verify_lib
 from models import cache as cache_lib
 from models import forward as fwd
@@ -92,15 +93,21 @@ def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_st
   if budget > 0:
     ids, logprobs = drafter.propose(drafter_params, drafter_state, slots, decode.root, start, top_k)
     max_depth = jnp.where(active, jnp.clip(decode.remaining - 1, 0, drafter.num_positions), 0)
-    tree = policy(decode.root, start, ids, logprobs, budget, max_depth)
+    try:
+      drafted = policy(decode.root, start, ids, logprobs, budget, max_depth)
+    except (ValueError, TypeError) as err:  # traced when the step compiles: a bad option or budget
+      raise EngineError(f"policy {_policy_name(policy)!r} failed at budget {budget}: {err}") from err
+    drafted = _check_policy_tree(drafted, policy, budget, decode.root.shape[0])
+    # Only the policy's choice of nodes is kept: the rest is derived, so no policy can make the
+    # target verify a node at the wrong place or with the wrong context.
+    tree = tree_lib.canonical_tree(drafted, decode.root, start, max_depth)
     rank0 = jnp.take_along_axis(ids[:, :, 0], jnp.clip(tree.depth - 1, 0, ids.shape[1] - 1), axis=1)
     off_rank0 = (tree.depth > 0) & (tree.tokens != rank0)  # [B, Q]
   else:
     tree = policies.root_only_tree(decode.root, start)
     off_rank0 = jnp.zeros(tree.tokens.shape, bool)
-  # The root is always real for an active row, whatever a (custom) policy says: a row whose root
-  # were padding would emit nothing and never finish.
-  tree = dataclasses.replace(tree, valid=tree.valid.at[:, 0].set(True) & active[:, None])
+  # Inactive rows verify padding only (their root stays real: a padded row sees only itself).
+  tree = dataclasses.replace(tree, valid=tree.valid & active[:, None])
 
   logits, features, target_cache, expert_load = fwd.verify(
       target, tree.tokens, tree.positions, tree.visibility, tree.valid, slots, target_cache,
@@ -127,6 +134,29 @@ def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_st
                    sibling_accepts=sibling_accepts.astype(jnp.int32),
                    experts_touched=jnp.sum(expert_load > 0).astype(jnp.int32))
   return target_cache, drafter_state, decode, out
+
+
+def _policy_name(policy) -> str:
+  return getattr(policy, "__name__", None) or getattr(getattr(policy, "func", None), "__name__", repr(policy))
+
+
+def _check_policy_tree(drafted, policy, budget: int, batch: int):
+  """Trace-time checks of what a policy returned (an ``EngineError`` naming the policy)."""
+  name = _policy_name(policy)
+  if not isinstance(drafted, tree_lib.Tree):
+    raise EngineError(f"policy {name!r} returned {type(drafted).__name__}, not a tree.Tree "
+                      "(build one with tree.tree_from_parents)")
+  want = (batch, budget + 1)
+  for field, kind in (("tokens", "integer"), ("parents", "integer"), ("valid", "bool")):
+    value = getattr(drafted, field)
+    shape, dtype = tuple(getattr(value, "shape", ())), getattr(value, "dtype", None)
+    if shape != want:
+      raise EngineError(f"policy {name!r} returned {field} of shape {shape} at budget {budget}; a tree has "
+                        f"[batch, budget + 1] = {list(want)} rows (pad unused rows with valid=False)")
+    ok = dtype == jnp.bool_ if kind == "bool" else (dtype is not None and jnp.issubdtype(dtype, jnp.integer))
+    if not ok:
+      raise EngineError(f"policy {name!r} returned {field} of dtype {dtype}; expected {kind}")
+  return drafted
 
 
 def prefill_step(target: KimiModel, drafter_params, target_cache, drafter_state, tokens, num_valid, slots, *,
@@ -220,6 +250,11 @@ class GenerateResult:
     return sum(s.host_time for s in self.steps) / total if total > 0 else 0.0
 
 
+def _fresh_seeds(seed, count: int):
+  """``seed``, or for None one fresh seed in [0, 2**32) per request."""
+  return np.random.default_rng().integers(0, 2**32, count) if seed is None else seed
+
+
 def _sampling_rows(sampling: verify_lib.SamplingParams, rows, pad_to: int) -> verify_lib.SamplingParams:
   """Host-side selection and zero padding of sampling rows (no device op, so nothing compiles)."""
   def pick(a):
@@ -259,25 +294,45 @@ class SpeculativeDecoder:
     self.cfg = target.cfg
     self.drafter = drafter
     self.drafter_params = drafter_params
+    if hasattr(drafter, "check_params"):
+      try:
+        drafter.check_params(drafter_params)
+      except ValueError as err:
+        raise EngineError(f"drafter_params: {err}") from None
     self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-    self.policy = (policies.get_policy(policy, **(policy_options or {})) if isinstance(policy, str)
-                   else policy)
-    if any(int(b) != b or b < 0 for b in budgets) or not budgets:
-      raise EngineError(f"budgets must be non-negative ints, got {list(budgets)}")
+    if not (isinstance(policy, str) or callable(policy)):
+      raise EngineError(f"policy must be a registered name or a callable, got {policy!r}")
+    try:
+      self.policy = (policies.get_policy(policy, **(policy_options or {})) if isinstance(policy, str)
+                     else policies.bind_options(policy, self.policy_name, policy_options or {}))
+    except ValueError as err:
+      raise EngineError(str(err)) from None
+    for name, values, low in (("budgets", budgets, 0), ("batch_buckets", batch_buckets, 1)):
+      if not isinstance(values, (Sequence, np.ndarray)) or isinstance(values, str) or len(values) == 0 or any(
+          isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low for v in values):
+        raise EngineError(f"{name} must be a non-empty list of ints >= {low}, got {values!r}")
     self.budgets = tuple(sorted(set(int(b) for b in budgets)))
-    if not batch_buckets or any(int(b) != b or b <= 0 for b in batch_buckets):
-      raise EngineError(f"batch_buckets must be positive ints, got {list(batch_buckets)}")
     self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
     self.max_batch = self.batch_buckets[-1]
     self.step_shapes = self._step_shapes(bucket_budgets)
-    self.num_slots = num_slots or self.max_batch
+    self.num_slots = self.max_batch if num_slots is None else num_slots
     if self.num_slots < self.max_batch:
       raise EngineError(f"num_slots={self.num_slots} is smaller than the largest batch bucket {self.max_batch}")
     self.max_q_len = max(self.budgets) + 1
     self.max_len = max_len
+    # The smallest request: one prompt token and one new token, then the verify window.
+    if not isinstance(max_len, (int, np.integer)) or max_len < self.max_q_len + 2:
+      raise EngineError(f"max_len={max_len!r} cannot hold a prompt token, a new token and the verify window of "
+                        f"budget {max(self.budgets)} ({self.max_q_len} rows): it needs at least {self.max_q_len + 2}")
+    # Real tree nodes never pass a request's last token, so requests reach max_len - window positions.
+    if max_len - self.max_q_len > self.cfg.max_position_embeddings:
+      raise EngineError(f"max_len={max_len} lets a request run to {max_len - self.max_q_len} tokens (max_len minus the "
+                        f"verify window), past the model's max_position_embeddings {self.cfg.max_position_embeddings}")
     if not 0 < prefill_chunk <= max_len:
       raise EngineError(f"prefill_chunk={prefill_chunk} must lie in [1, max_len={max_len}]")
     self.prefill_chunk = prefill_chunk
+    if isinstance(max_stop_tokens, bool) or not isinstance(max_stop_tokens, int) or max_stop_tokens < 1:
+      raise EngineError(f"max_stop_tokens={max_stop_tokens!r} must be an int >= 1 (the default stop is EOS)")
     self.max_stop_tokens = max_stop_tokens
     # Candidates per position: a budget-N policy may pick up to rank N - 1 at one position.
     self.top_k = max(1, min(max(self.budgets), self.cfg.vocab_size))
@@ -382,6 +437,8 @@ class SpeculativeDecoder:
     return int(budget)
 
   def _check_prompts(self, prompts, max_new_tokens):
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:  # equal-length prompts as one array
+      prompts = list(prompts)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
       raise EngineError("prompts must be a non-empty list of token-id sequences")
     limits = (list(max_new_tokens) if np.ndim(max_new_tokens) == 1 else [max_new_tokens] * len(prompts))
@@ -419,6 +476,8 @@ class SpeculativeDecoder:
     if len(stop_ids) > self.max_stop_tokens:
       raise EngineError(f"{len(stop_ids)} stop token ids exceed max_stop_tokens={self.max_stop_tokens}")
     for t in stop_ids:
+      if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        raise EngineError(f"stop token ids must be ints, got {t!r}")
       if not 0 <= int(t) < self.cfg.vocab_size:
         raise EngineError(f"stop token id {t} outside [0, {self.cfg.vocab_size})")
     tokens = np.zeros((batch, self.max_stop_tokens), np.int32)
@@ -463,18 +522,20 @@ class SpeculativeDecoder:
     return token, row_state.active, decode
 
   # ---- generation --------------------------------------------------------------------------
-  def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+  def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=None,
               stop_token_ids: Sequence[int] | None = None) -> "Request":
-    """A validated request (raises EngineError/ValueError naming the bad argument)."""
+    """A validated request (raises EngineError/ValueError naming the bad argument); ``seed`` as in
+    ``generate``."""
     (arr,), (limit,) = self._check_prompts([prompt], [max_new_tokens])
-    sampling = verify_lib.SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = verify_lib.SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p,
+                                              seed=_fresh_seeds(seed, 1))
     stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, 1)
     return Request(prompt=arr, max_new_tokens=limit, sampling=sampling, stop_tokens=stop_tokens[0],
                    stop_valid=stop_valid[0])
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens, *, budget: int | None = None,
                budget_schedule: Callable[[int], int] | None = None, temperature=0.0, top_k=0, top_p=1.0,
-               seed=0, stop_token_ids: Sequence[int] | None = None) -> GenerateResult:
+               seed=None, stop_token_ids: Sequence[int] | None = None) -> GenerateResult:
     """Generates for a list of prompts with continuous batching (sampling settings per request).
 
     Requests run in the smallest compiled bucket that holds them all, or the largest bucket, in
@@ -484,7 +545,9 @@ class SpeculativeDecoder:
       max_new_tokens: an int, or one per prompt.
       budget: tree budget for every step (default: the largest compiled one).
       budget_schedule: optional ``step_index -> budget`` (for example to switch budgets mid-run).
-      temperature, top_k, top_p, seed: scalars or one value per prompt.
+      temperature, top_k, top_p, seed: scalars or one value per prompt. A sample is a function of
+        (seed, position) only, so equal seeds give equal samples of equal prompts; ``seed=None``
+        (the default) draws a fresh seed per request, as the server does for a request without one.
       stop_token_ids: ids that end a request (default: the model's EOS); the stop token is kept.
     """
     prompts, limits = self._check_prompts(prompts, max_new_tokens)
@@ -492,7 +555,8 @@ class SpeculativeDecoder:
     bucket = self.bucket_for(min(count, self.max_batch))
     default_budget = self.check_budget(
         max(b for k, b in self.step_shapes if k == bucket) if budget is None else budget, bucket)
-    sampling = verify_lib.SamplingParams.make(count, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = verify_lib.SamplingParams.make(count, temperature=temperature, top_k=top_k, top_p=top_p,
+                                              seed=_fresh_seeds(seed, count))
     stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, count)
     requests = [Request(prompt=prompts[i], max_new_tokens=limits[i], sampling=_sampling_rows(sampling, [i], 1),
                         stop_tokens=stop_tokens[i], stop_valid=stop_valid[i]) for i in range(count)]
@@ -565,6 +629,8 @@ class Batch:
   """
 
   def __init__(self, decoder: "SpeculativeDecoder", bucket: int):
+    if bucket not in decoder.batch_buckets:
+      raise EngineError(f"batch bucket {bucket!r} was not compiled (compiled buckets: {list(decoder.batch_buckets)})")
     self.decoder = decoder
     self.bucket = bucket
     self.rows: list[Request | None] = [None] * bucket
@@ -590,7 +656,10 @@ class Batch:
 
   def admit(self, request: Request) -> None:
     """Prefills ``request`` into a free row; its first token is read by the next ``collect``."""
-    row = self.free_rows()[0]
+    free = self.free_rows()
+    if not free:
+      raise EngineError(f"no free row: all {self.bucket} rows of the batch are running (admit after one leaves)")
+    row = free[0]
     slot, token, active, self.decode = self.decoder._admit(  # pylint: disable=protected-access
         request.prompt, row, self.decode, request.sampling, request.stop_tokens[None], request.stop_valid[None],
         request.max_new_tokens)

@@ -51,11 +51,22 @@ _POLICIES = {}
 _CALL_PARAMS = ("root_tokens", "start", "ids", "logprobs", "budget", "max_depth")
 
 
-def register_policy(name):
-  """Decorator adding a policy under ``name`` (a duplicate name is a ValueError)."""
+def register_policy(name, *, replace: bool = False):
+  """Decorator adding a policy under ``name``.
+
+  A name already taken is a ValueError unless ``replace=True``, or unless the new function is the
+  same definition run again (same module and qualified name: a notebook cell re-run after an edit).
+  """
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"register_policy takes the policy's name first, as @register_policy('name'); got {name!r}")
+
   def register(fn):
-    if name in _POLICIES:
-      raise ValueError(f"policy {name!r} is already registered")
+    old = _POLICIES.get(name)
+    rerun = old is not None and (getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (
+        getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+    if old is not None and not (replace or rerun):
+      raise ValueError(f"policy {name!r} is already registered (by {getattr(old, '__module__', '?')}."
+                       f"{getattr(old, '__qualname__', '?')}); pass replace=True to replace it")
     _POLICIES[name] = fn
     return fn
   return register
@@ -70,15 +81,26 @@ def get_policy(name, **options):
   """The policy ``name`` with ``options`` bound (a ``functools.partial``)."""
   if name not in _POLICIES:
     raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(available_policies())}")
-  fn = _POLICIES[name]
-  accepted = [p for p in inspect.signature(fn).parameters if p not in _CALL_PARAMS]
-  unknown = sorted(set(options) - set(accepted))
+  return bind_options(_POLICIES[name], name, options)
+
+
+def policy_options(fn) -> tuple:
+  """The option names a policy function takes beyond the call's own parameters."""
+  return tuple(name for name, p in inspect.signature(fn).parameters.items()
+               if name not in _CALL_PARAMS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def bind_options(fn, name, options):
+  """``fn`` with ``options`` bound (a ``functools.partial``); an option it does not take is a ValueError."""
+  accepted = list(policy_options(fn))
+  takes_any = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+  unknown = [] if takes_any else sorted(set(options) - set(accepted))
   if unknown:
     raise ValueError(f"policy {name!r} got unknown options {unknown}; it accepts {accepted}")
   return functools.partial(fn, **options)
 
 
-def check_inputs(name, ids, logprobs, budget, needed):
+def check_inputs(name, ids, logprobs, budget, needed, *, root_tokens=None, start=None, max_depth=None):
   """Host-side (trace-time) checks shared by policies.
 
   Args:
@@ -86,6 +108,7 @@ def check_inputs(name, ids, logprobs, budget, needed):
     ids, logprobs: [B, L, k] candidates.
     budget: must be a Python int >= 0.
     needed: how many ranks per position the policy may select at this budget.
+    root_tokens, start, max_depth: when given, each must be [B] (max_depth may be None).
   """
   if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
     raise ValueError(f"{name}: budget must be a static int >= 0, got {budget!r}")
@@ -93,6 +116,10 @@ def check_inputs(name, ids, logprobs, budget, needed):
     raise ValueError(
         f"{name}: ids and logprobs must share one [B, L, k] shape; got {ids.shape}, "
         f"{logprobs.shape}")
+  for arg, value in (("root_tokens", root_tokens), ("start", start), ("max_depth", max_depth)):
+    if value is not None and tuple(np.shape(value)) != tuple(ids.shape[:1]):
+      raise ValueError(f"{name}: {arg} must be [B] = {list(ids.shape[:1])} (one per request), got shape "
+                       f"{list(np.shape(value))}")
   k = ids.shape[-1]
   if k < needed:
     raise ValueError(
@@ -217,7 +244,8 @@ def ddtree(root_tokens, start, ids, logprobs, budget, max_depth=None):
   top-min(N, k) tokens, then the global top N. Requires k >= budget. Rows come out in the heap's
   emission order (``ddtree_heap_reference``).
   """
-  check_inputs("ddtree", ids, logprobs, budget, needed=budget)
+  check_inputs("ddtree", ids, logprobs, budget, needed=budget, root_tokens=root_tokens, start=start,
+               max_depth=max_depth)
   n_child = min(budget, ids.shape[-1])
   return _search_policy(root_tokens, start, ids, logprobs, budget, max_depth,
                         n_keep=budget, n_child=n_child, n_pool=budget)
@@ -233,7 +261,8 @@ def beam(root_tokens, start, ids, logprobs, budget, max_depth=None, width=4):
   if isinstance(width, bool) or not isinstance(width, numbers.Integral) or width < 1:
     raise ValueError(f"beam: width must be an int >= 1, got {width!r}")
   n_keep = min(width, budget)
-  check_inputs("beam", ids, logprobs, budget, needed=n_keep)
+  check_inputs("beam", ids, logprobs, budget, needed=n_keep, root_tokens=root_tokens, start=start,
+               max_depth=max_depth)
   return _search_policy(root_tokens, start, ids, logprobs, budget, max_depth, n_keep=n_keep,
                         n_child=n_keep, n_pool=min(n_keep * n_keep, budget))
 
@@ -241,7 +270,8 @@ def beam(root_tokens, start, ids, logprobs, budget, max_depth=None, width=4):
 @register_policy("chain")
 def chain(root_tokens, start, ids, logprobs, budget, max_depth=None):
   """DFlash linear draft: the argmax (rank 0) path, min(budget, L, max_depth) nodes."""
-  check_inputs("chain", ids, logprobs, budget, needed=min(budget, 1))
+  check_inputs("chain", ids, logprobs, budget, needed=min(budget, 1), root_tokens=root_tokens, start=start,
+               max_depth=max_depth)
   batch, n_levels, _ = ids.shape
   n = min(budget, n_levels)
   cap = _max_depth(max_depth, batch, n_levels)
@@ -355,7 +385,7 @@ def static(root_tokens, start, ids, logprobs, budget, max_depth=None,
   are not read. Requires k > every rank the budget can reach. Default: ``DEFAULT_RANK_PATHS``.
   """
   # Budget and shapes first: the plan below depends on the budget, the k check on the plan.
-  check_inputs("static", ids, logprobs, budget, needed=0)
+  check_inputs("static", ids, logprobs, budget, needed=0, root_tokens=root_tokens, start=start, max_depth=max_depth)
   batch, n_levels, _ = ids.shape
   depth, parent, last_rank, needed = _static_plan(rank_paths, n_levels, budget)
   check_inputs("static", ids, logprobs, budget, needed=needed)

@@ -152,9 +152,10 @@ def _check_parents(tokens, parents, valid, start):
 def tree_from_parents(tokens, parents, valid, start):
   """Builds a ``Tree`` from parent pointers (jit-able).
 
-  Given numpy inputs (host, e.g. a notebook) the structure is validated first: root at node 0,
-  parents before children, valid prefix-closed, sibling tokens distinct. Device arrays and tracers
-  are trusted, so a policy inside jit never syncs with the host.
+  Given host inputs (numpy arrays or lists, e.g. in a notebook) the structure is validated first:
+  root at node 0, parents before children, valid prefix-closed, sibling tokens distinct. If any
+  input is a jax array or tracer, nothing is checked, so a policy inside jit never syncs with the
+  host (the engine rebuilds what it verifies anyway: ``canonical_tree``).
 
   Args:
     tokens: int32[B, Q]; tokens[:, 0] is the root (previous bonus token).
@@ -164,8 +165,8 @@ def tree_from_parents(tokens, parents, valid, start):
   Returns:
     Tree with depth/positions/visibility derived; padded rows get parent -1, depth 0, position start.
   """
-  if all(isinstance(x, np.ndarray) for x in (tokens, parents, valid, start)):
-    _check_parents(tokens, parents, valid.astype(bool), start)
+  if not any(isinstance(x, jax.Array) for x in (tokens, parents, valid, start)):
+    _check_parents(np.asarray(tokens), np.asarray(parents), np.asarray(valid).astype(bool), np.asarray(start))
   return _build_tree(jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32),
                      jnp.asarray(valid, bool), jnp.asarray(start, jnp.int32))
 
@@ -178,6 +179,46 @@ def _build_tree(tokens, parents, valid, start):
   depth = depth_from_visibility(visibility)
   return Tree(tokens=tokens, parents=parents, depth=depth, positions=start[:, None] + depth,
               visibility=visibility, valid=valid)
+
+
+def canonical_tree(tree, root_tokens, start, max_depth=None):
+  """The tree the engine verifies: a policy's ``tokens``, ``parents`` and ``valid``, nothing else.
+
+  Lossless output must not rest on a policy getting every field right, so the engine keeps only
+  what a policy chooses and derives the rest (jit-able, no host sync):
+    * the root is each request's ``root_tokens`` at ``start``, always real;
+    * a node is real only if the policy says so, its parent lies in ``[0, i)``, every ancestor is
+      real and its depth is at most ``max_depth`` (when given); every other row is padding
+      (parent -1, token 0, depth 0);
+    * ``depth``, ``positions`` and ``visibility`` follow from the parents.
+  A well-formed tree (``tree_from_parents``) comes back unchanged. Duplicate sibling tokens are
+  left alone: they waste budget but cannot change what the walk accepts.
+
+  Args:
+    tree: a ``Tree`` ([B, Q]); only its tokens, parents and valid are read.
+    root_tokens, start: int32[B]; max_depth: int32[B] or None.
+  Returns:
+    Tree.
+  """
+  q_len = tree.tokens.shape[1]
+  index = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+  parents = jnp.asarray(tree.parents, jnp.int32)
+  placed = (index == 0) | ((parents >= 0) & (parents < index))
+  valid = (jnp.asarray(tree.valid, bool) & placed).at[:, 0].set(True)
+  parents = jnp.where(valid & (index > 0), parents, -1)
+  visibility = visibility_from_parents(parents, valid)  # chains end at padding or the root
+  depth = depth_from_visibility(visibility)
+  # Real iff every node on the chain is real (then the chain ends at the root).
+  valid = valid & ~jnp.any(visibility & ~valid[:, None, :], axis=-1)
+  if max_depth is not None:  # descendants are deeper still, so the set stays closed
+    valid = valid & (depth <= jnp.asarray(max_depth, jnp.int32)[:, None])
+  visibility = jnp.where(valid[:, :, None], visibility, jnp.eye(q_len, dtype=bool)[None])
+  depth = jnp.where(valid, depth, 0)
+  tokens = jnp.where(valid, jnp.asarray(tree.tokens, jnp.int32), 0)
+  tokens = tokens.at[:, 0].set(jnp.asarray(root_tokens, jnp.int32))
+  start = jnp.asarray(start, jnp.int32)
+  return Tree(tokens=tokens, parents=jnp.where(valid, parents, -1), depth=depth,
+              positions=start[:, None] + depth, visibility=visibility, valid=valid)
 
 
 def tree_from_paths(root_token, paths, start=0, q_len=None):

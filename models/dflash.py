@@ -813,6 +813,12 @@ class DFlashDrafter:
     head = None if target_model.lm_head is None else target_model.lm_head.kernel[...]
     return DFlashParams(model=dflash_model, embed_table=embed, lm_head_kernel=head)
 
+  def check_params(self, params) -> None:
+    """A ValueError unless ``params`` are what ``params()`` returns (the engine checks at construction)."""
+    if not isinstance(params, DFlashParams):
+      raise ValueError(f"DFlashDrafter needs drafter_params = DFlashDrafter.params(dflash_model, target), got "
+                       f"{type(params).__name__}")
+
   def init_state(self, num_slots: int, max_len: int) -> DFlashCache:
     return init_cache(self.cfg, num_slots, max_len)
 

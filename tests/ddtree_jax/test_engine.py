@@ -170,6 +170,35 @@ def test_seeded_sampling_is_batch_and_budget_invariant(model, prompts, reference
   assert batched.tokens[0] != reference[0][0]  # sampling actually changed the output
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budgets=4), "budgets must be a non-empty list of ints >= 0, got 4"),
+    (dict(budgets=(4, -1)), "budgets must be a non-empty list"),
+    (dict(batch_buckets=2), "batch_buckets must be a non-empty list of ints >= 1, got 2"),
+    (dict(batch_buckets=(0,)), "batch_buckets must be"),
+    (dict(num_slots=0), "num_slots=0 is smaller than the largest batch bucket 1"),
+    (dict(max_len=10), "max_len=10 cannot hold a prompt token, a new token and the verify window of budget 8 "
+                       "\\(9 rows\\): it needs at least 11"),
+    (dict(max_len=CFG.max_position_embeddings + 10), "past the model's max_position_embeddings"),
+    (dict(max_stop_tokens=0), "max_stop_tokens=0 must be an int >= 1"),
+])
+def test_decoder_settings_are_refused_by_name(model, kwargs, message):
+  """Refused before anything compiles, naming the setting."""
+  args = dict(budgets=(8,), batch_buckets=(1,), max_len=MAX_LEN, show_progress=False)
+  args.update(kwargs)
+  with pytest.raises(engine.EngineError, match=message):
+    engine.SpeculativeDecoder(model, drafters.RandomDrafter(CFG.vocab_size), **args)
+
+
+def test_unseeded_requests_draw_fresh_seeds(model, prompts, reference):
+  """Without a seed every request samples on its own (as the server does); equal seeds, equal samples."""
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)
+  same_prompt = [prompts[1]] * 3
+  unseeded = dec.generate(same_prompt, 16, temperature=1.0, stop_token_ids=[]).tokens
+  assert len({tuple(t) for t in unseeded}) == 3
+  seeded = dec.generate(same_prompt, 16, temperature=1.0, seed=5, stop_token_ids=[]).tokens
+  assert seeded[0] == seeded[1] == seeded[2]
+
+
 def test_jit_and_disable_jit_give_identical_tokens(model, prompts, reference):
   drafter = make_drafter("noisy", prompts, reference[0])
   compiled = decoder(model, drafter, "ddtree", (4,), 1).generate([prompts[1]], 10, stop_token_ids=[])
@@ -259,6 +288,17 @@ def test_bad_input_names_the_argument(model, prompts, reference):
     dec.generate([prompts[0]], 4, budget="4")
   with pytest.raises(engine.EngineError, match="prompt 0 must be a flat list"):
     dec.generate([[1, [2, 3]]], 4)
+  with pytest.raises(engine.EngineError, match="stop token ids must be ints, got 'a'"):
+    dec.generate([prompts[0]], 4, stop_token_ids=["a"])
+  assert dec.generate(np.asarray([prompts[0][:4]]), 4).tokens  # equal-length prompts as a 2-D array
+  with pytest.raises(engine.EngineError, match="no free row: all 1 rows"):
+    batch = engine.Batch(dec, 1)
+    batch.admit(dec.request(prompts[0], 4))
+    batch.admit(dec.request(prompts[1], 4))
+  for request in batch.running():
+    batch.cancel(request)
+  with pytest.raises(engine.EngineError, match="batch bucket 3 was not compiled \\(compiled buckets: \\[1\\]\\)"):
+    engine.Batch(dec, 3)
   # The engine still serves after refusing bad requests, and every slot is free again.
   assert dec.generate([prompts[0]], 4).tokens
   assert dec.pool.free_slots == dec.num_slots

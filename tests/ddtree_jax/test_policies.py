@@ -243,8 +243,30 @@ def test_registry():
     P.get_policy("nope")
   with pytest.raises(ValueError, match="unknown options.*'widht'.*width"):
     P.get_policy("beam", widht=3)
-  with pytest.raises(ValueError, match="already registered"):
+  with pytest.raises(ValueError, match="policy 'ddtree' is already registered \\(by ddtree_jax.policies.ddtree\\); "
+                                       "pass replace=True"):
     P.register_policy("ddtree")(P.chain)
+  with pytest.raises(TypeError, match="takes the policy's name first, as @register_policy\\('name'\\)"):
+    P.register_policy(P.chain)
+
+
+def test_reregistering_the_same_definition_replaces_it(monkeypatch):
+  """A notebook cell run again after an edit re-registers its policy; another function under a
+  taken name needs replace=True."""
+  monkeypatch.setattr(P, "_POLICIES", dict(P._POLICIES))
+  first = lambda **kw: "first"  # one qualified name per definition site, like a re-run cell
+  second = lambda **kw: "second"
+  for value in (first, second):
+    value.__qualname__ = "cell_policy"
+    P.register_policy("cell_policy")(value)
+  assert P.get_policy("cell_policy")() == "second"
+
+  def other(root_tokens, start, ids, logprobs, budget, max_depth=None):
+    return "other"
+  with pytest.raises(ValueError, match="already registered"):
+    P.register_policy("cell_policy")(other)
+  P.register_policy("cell_policy", replace=True)(other)
+  assert P.get_policy("cell_policy")(None, None, None, None, 0) == "other"
 
 
 def test_register_custom_policy(monkeypatch):
@@ -278,6 +300,18 @@ def test_bad_inputs(policy, options, budget, k, message):
   with pytest.raises(ValueError, match=message):
     P.get_policy(policy, **options)(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), ids, lp,
                                     budget)
+
+
+@pytest.mark.parametrize("policy", ["ddtree", "beam", "chain", "static"])
+def test_per_request_arguments_must_have_one_entry_per_request(policy):
+  ids, lp = jnp.zeros((2, 3, 4), jnp.int32), jnp.zeros((2, 3, 4), jnp.float32)
+  ok = dict(root_tokens=jnp.zeros(2, jnp.int32), start=jnp.zeros(2, jnp.int32), max_depth=jnp.full(2, 3, jnp.int32))
+  fn = P.get_policy(policy)
+  fn(ids=ids, logprobs=lp, budget=2, **ok)
+  for arg, bad in (("root_tokens", jnp.zeros(3, jnp.int32)), ("start", jnp.zeros((2, 1), jnp.int32)),
+                   ("max_depth", jnp.int32(3))):
+    with pytest.raises(ValueError, match=f"{policy}: {arg} must be \\[B\\] = \\[2\\]"):
+      fn(ids=ids, logprobs=lp, budget=2, **{**ok, arg: bad})
 
 
 def test_static_needs_only_reachable_ranks():

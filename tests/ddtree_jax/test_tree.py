@@ -122,6 +122,8 @@ def test_tree_from_parents_validates_numpy(mutate, message):
   mutate(tokens, parents, valid)
   with pytest.raises(ValueError, match=message):
     T.tree_from_parents(tokens, parents, valid, np.zeros(1, np.int32))
+  with pytest.raises(ValueError, match=message):  # lists are host input too
+    T.tree_from_parents(tokens.tolist(), parents.tolist(), valid.tolist(), [0])
 
 
 def test_paths_round_trip():
@@ -152,3 +154,61 @@ def test_paths_round_trip():
 def test_tree_from_paths_errors(paths, q_len, message):
   with pytest.raises(ValueError, match=message):
     T.tree_from_paths(0, paths, q_len=q_len)
+
+
+def _canonical_reference(tokens, parents, valid, root_tokens, start, max_depth):
+  """Sequential host reference of ``canonical_tree`` (parents come before children)."""
+  batch, q_len = tokens.shape
+  real = np.zeros((batch, q_len), bool)
+  depth = np.zeros((batch, q_len), np.int32)
+  for b in range(batch):
+    real[b, 0] = True
+    for i in range(1, q_len):
+      p = int(parents[b, i])
+      if valid[b, i] and 0 <= p < i and real[b, p] and depth[b, p] + 1 <= max_depth[b]:
+        real[b, i], depth[b, i] = True, depth[b, p] + 1
+  canon_parents = np.where(real, parents, -1).astype(np.int32)
+  canon_parents[:, 0] = -1
+  canon_tokens = np.where(real, tokens, 0).astype(np.int32)
+  canon_tokens[:, 0] = root_tokens
+  return canon_tokens, canon_parents, real, depth, _dense_visibility(canon_parents, real)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_canonical_tree_repairs_any_policy_output(seed):
+  """Whatever a policy puts in a Tree, the engine verifies a well-formed one built from its
+  tokens, parents and valid alone (against a sequential host reference)."""
+  rng = np.random.default_rng(seed)
+  batch, q_len = 5, 23
+  tokens = rng.integers(0, 50, (batch, q_len)).astype(np.int32)
+  # Parents anywhere, forward and out of range included; valid at random, root too.
+  parents = rng.integers(-3, q_len + 3, (batch, q_len)).astype(np.int32)
+  parents[:, 1:4] = 0  # some real children of the root in every row
+  valid = rng.random((batch, q_len)) < 0.8
+  root_tokens = rng.integers(0, 50, batch).astype(np.int32)
+  start = rng.integers(0, 100, batch).astype(np.int32)
+  max_depth = np.array([q_len, 3, 1, 0, 6], np.int32)
+  garbage = T.Tree(tokens=tokens, parents=parents, depth=rng.integers(-5, 5, (batch, q_len)).astype(np.int32),
+                   positions=rng.integers(-5, 500, (batch, q_len)).astype(np.int32),
+                   visibility=rng.random((batch, q_len, q_len)) < 0.5, valid=valid)
+  got = jax.jit(T.canonical_tree)(garbage, root_tokens, start, max_depth)
+  want_tokens, want_parents, want_valid, want_depth, want_vis = _canonical_reference(
+      tokens, parents, valid, root_tokens, start, max_depth)
+  assert want_valid[:, 1:].any() and not want_valid.all()  # the case has both kinds of rows
+  np.testing.assert_array_equal(got.valid, want_valid)
+  np.testing.assert_array_equal(got.parents, want_parents)
+  np.testing.assert_array_equal(got.tokens, want_tokens)
+  np.testing.assert_array_equal(got.depth, want_depth)
+  np.testing.assert_array_equal(got.positions, start[:, None] + want_depth)
+  np.testing.assert_array_equal(got.visibility, want_vis)
+
+
+def test_canonical_tree_keeps_a_well_formed_tree():
+  rng = np.random.default_rng(11)
+  tokens, parents, valid = _random_trees(rng, 4, 33, keep=0.7)
+  tokens = np.where(valid, tokens, 0).astype(np.int32)
+  start = np.array([0, 5, 17, 1000], np.int32)
+  tree = T.tree_from_parents(tokens, parents, valid, start)
+  same = T.canonical_tree(tree, tokens[:, 0], start)
+  for field in ("tokens", "parents", "depth", "positions", "visibility", "valid"):
+    np.testing.assert_array_equal(getattr(same, field), getattr(tree, field), err_msg=field)

@@ -306,6 +306,9 @@ def test_dflash_drafter_in_engine_is_lossless_and_admission_never_compiles(targe
   drafter = dflash.DFlashDrafter(CFG)
   assert hash(drafter) == hash(dflash.DFlashDrafter(CFG)) and drafter.num_positions == 15
   max_len, max_new = 96, 20
+  with pytest.raises(engine.EngineError, match="drafter_params: DFlashDrafter needs drafter_params = "
+                                               "DFlashDrafter.params\\(dflash_model, target\\), got NoneType"):
+    engine.SpeculativeDecoder(target, drafter, policy="ddtree", budgets=(4,), max_len=max_len, show_progress=False)
   dec = engine.SpeculativeDecoder(target, drafter, dflash.DFlashDrafter.params(drafter_model, target),
                                   policy="ddtree", budgets=(0, 4), batch_buckets=(2,), max_len=max_len,
                                   show_progress=False)
