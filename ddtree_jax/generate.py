@@ -54,18 +54,25 @@ def main(argv=None) -> int:
                       help="the target's routed experts: ragged_dot (any backend) or the Pallas kernel (GPU)")
   args = parser.parse_args(argv)
   for name, ok in (("--budget", args.budget >= 0), ("--max-new-tokens", args.max_new_tokens > 0),
-                   ("--temperature", args.temperature >= 0), ("--top-p", 0 < args.top_p <= 1)):
+                   ("--temperature", args.temperature >= 0), ("--top-p", 0 < args.top_p <= 1),
+                   ("--seed", 0 <= args.seed < 2**32)):
     if not ok:
       parser.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
   error = kernel_backend_error(jax.default_backend(), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
   if error:
     parser.error(error)
+  try:
+    options = policy_modules.parse_options(args.policy_option)
+    policies.get_policy(args.policy, **options)  # an option the policy does not take, before any loading
+  except ValueError as err:
+    parser.error(str(err))
 
   try:
     model_dir = loading.resolve_model_dir(args.model)
     target = loading.load_kimi(model_dir, dtype=args.dtype, param_dtype=args.dtype,
                                attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     draft = loading.load_dflash(args.drafter, dtype=args.dtype, param_dtype=args.dtype)
+    drafter_params = dflash.DFlashDrafter.params(draft, target)  # refuses a drafter of another target
   except (FileNotFoundError, KeyError, ValueError) as err:
     parser.error(str(err))
   if not (model_dir / "tokenizer.json").exists():
@@ -79,8 +86,11 @@ def main(argv=None) -> int:
   common = dict(batch_buckets=(1,), max_len=max_len, prefill_chunk=min(64, max_len),
                 compile_cache_dir=args.compile_cache_dir)
 
-  spec = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target),
-                                   policy=args.policy, budgets=(args.budget,), **common)
+  try:
+    spec = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), drafter_params,
+                                     policy=args.policy, policy_options=options, budgets=(args.budget,), **common)
+  except engine.EngineError as err:  # e.g. a --policy-module policy whose tree the step refuses
+    parser.error(str(err))
   result = spec.generate([prompt], args.max_new_tokens, **sampling)
   text = tokenizer_lib.decode(tok, [t for t in result.tokens[0] if t != eot])
   print(args.prompt + text)

@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import importlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -82,9 +83,29 @@ def load_policy_module(source: str) -> tuple:
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
+  """Adds ``--policy-module`` and ``--policy-option`` (``parse_options`` reads the latter)."""
   parser.add_argument(FLAG, action="append", default=[], metavar="PATH_OR_MODULE",
                       help="a .py file (or a module on sys.path) that registers tree policies "
                            "(policies.register_policy) to offer beside the built-in ones; may be given more than once")
+  parser.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
+                      help="an option of the tree policy, e.g. width=4 for beam; VALUE is read as JSON "
+                           "(numbers, true/false, lists) or else taken as a string; may be given more than once")
+
+
+def parse_options(pairs) -> dict:
+  """``["width=4", "name=x"]`` -> ``{"width": 4, "name": "x"}``: each value as JSON, else the string."""
+  options = {}
+  for pair in pairs:
+    name, sep, text = pair.partition("=")
+    if not sep or not name.isidentifier():
+      raise ValueError(f"--policy-option {pair!r}: expected NAME=VALUE")
+    if name in options:
+      raise ValueError(f"--policy-option {name} given twice")
+    try:
+      options[name] = json.loads(text)
+    except json.JSONDecodeError:
+      options[name] = text
+  return options
 
 
 def load_from_argv(argv, prog: str) -> None:

@@ -132,6 +132,14 @@ class KimiConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"KimiConfig.{name} must be a positive int, got {value!r}")
+    for name in ("first_k_dense_replace", "n_shared_experts", "n_group", "topk_group", "bos_token_id",
+                 "eos_token_id"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"KimiConfig.{name} must be an int, got {value!r}")
+    for name in ("norm_topk_prob", "tie_word_embeddings", "experts_int4"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"KimiConfig.{name} must be true or false, got {getattr(self, name)!r}")
     if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
       raise ConfigError(
           f"KimiConfig.first_k_dense_replace={self.first_k_dense_replace} must lie in "
@@ -151,7 +159,7 @@ class KimiConfig:
           f"KimiConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
     for name in ("rope_theta", "rope_factor", "rms_norm_eps", "routed_scaling_factor"):
       value = getattr(self, name)
-      if not isinstance(value, (int, float)) or not value > 0:
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ConfigError(f"KimiConfig.{name} must be > 0, got {value!r}")
     if self.rope_factor < 1.0:
       raise ConfigError(f"KimiConfig.rope_factor={self.rope_factor} must be >= 1 (1 disables YaRN)")
@@ -286,7 +294,9 @@ class KimiConfig:
     for hf_name, name in optional.items():
       if config.get(hf_name) is not None:
         fields[name] = config[hf_name]
-    if isinstance(fields.get("eos_token_id"), list):
+    if isinstance(fields.get("eos_token_id"), list):  # the first of several stop ids
+      if not fields["eos_token_id"]:
+        raise ConfigError("config.json eos_token_id is an empty list")
       fields["eos_token_id"] = fields["eos_token_id"][0]
     quantization = config.get("quantization_config") or outer.get("quantization_config")
     if quantization:
@@ -303,17 +313,28 @@ class KimiConfig:
       raise ConfigError(f"config.json topk_method={topk_method!r}: only 'noaux_tc' is supported")
     rope_scaling = config.get("rope_scaling")
     if rope_scaling:
+      if not isinstance(rope_scaling, Mapping):
+        raise ConfigError(f"config.json rope_scaling must be a dict, got {rope_scaling!r}")
       kind = rope_scaling.get("type", rope_scaling.get("rope_type"))
       if kind != "yarn":
         raise ConfigError(f"config.json rope_scaling type {kind!r}: only 'yarn' is supported")
+      missing = [k for k in ("factor", "original_max_position_embeddings") if rope_scaling.get(k) is None]
+      if missing:
+        raise ConfigError(f"config.json rope_scaling lacks {', '.join(missing)}")
+
+      def number(key, kind, default=None):
+        value = rope_scaling.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+          raise ConfigError(f"config.json rope_scaling.{key} must be a{'n int' if kind is int else ' number'}, "
+                            f"got {value!r}")
+        return kind(value)
       fields.update(
-          rope_factor=float(rope_scaling["factor"]),
-          rope_original_max_position_embeddings=int(
-              rope_scaling["original_max_position_embeddings"]),
-          rope_beta_fast=float(rope_scaling.get("beta_fast", 32)),
-          rope_beta_slow=float(rope_scaling.get("beta_slow", 1)),
-          rope_mscale=float(rope_scaling.get("mscale", 1)),
-          rope_mscale_all_dim=float(rope_scaling.get("mscale_all_dim", 0)),
+          rope_factor=number("factor", float),
+          rope_original_max_position_embeddings=number("original_max_position_embeddings", int),
+          rope_beta_fast=number("beta_fast", float, 32),
+          rope_beta_slow=number("beta_slow", float, 1),
+          rope_mscale=number("mscale", float, 1),
+          rope_mscale_all_dim=number("mscale_all_dim", float, 0),
       )
     else:
       fields.update(rope_factor=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,

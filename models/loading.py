@@ -7,12 +7,13 @@ one tensor at a time. ``resolve_model_dir`` maps a bundled model's name to its d
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models import hf_io
@@ -59,20 +60,51 @@ def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], out_dir, *, dtype: 
   return names
 
 
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be read as it claims to be; the message names the file."""
+
+
+def read_json(path: Path) -> dict:
+  """A JSON file's object, or a CheckpointError naming the file."""
+  try:
+    value = json.loads(path.read_text())
+  except json.JSONDecodeError as err:
+    raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+  return value
+
+
 class ShardReader:
-  """Lazy access to the tensors of a sharded (or single-file) safetensors checkpoint."""
+  """Lazy access to the tensors of a sharded (or single-file) safetensors checkpoint.
+
+  A missing tensor is a KeyError naming it; an unreadable shard (truncated, not safetensors, not
+  holding what the index says) a CheckpointError naming the file. ``read`` holds the names read.
+  """
 
   def __init__(self, directory, prefix: str = "model"):
     self.directory = Path(directory)
     index = self.directory / f"{prefix}.safetensors.index.json"
     if index.exists():
-      self.weight_map = json.loads(index.read_text())["weight_map"]
+      weight_map = read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no weight_map object")
+      self.weight_map = weight_map
     elif (self.directory / f"{prefix}.safetensors").exists():
-      with safe_open(str(self.directory / f"{prefix}.safetensors"), framework="numpy") as f:
-        self.weight_map = {k: f"{prefix}.safetensors" for k in f.keys()}
+      self.weight_map = {k: f"{prefix}.safetensors" for k in self._shard(f"{prefix}.safetensors").keys()}
     else:
       raise FileNotFoundError(f"{self.directory} has neither {index.name} nor {prefix}.safetensors")
     self._open: dict = {}
+    self.read: set = set()
+
+  def _shard(self, file_name: str):
+    path = self.directory / file_name
+    if not path.is_file():
+      raise FileNotFoundError(f"checkpoint shard {path} is missing")
+    try:
+      return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError) as err:
+      raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
 
   def names(self) -> list[str]:
     return list(self.weight_map)
@@ -82,8 +114,13 @@ class ShardReader:
       raise KeyError(name)
     file_name = self.weight_map[name]
     if file_name not in self._open:
-      self._open[file_name] = safe_open(str(self.directory / file_name), framework="numpy")
-    return self._open[file_name].get_tensor(name)
+      self._open[file_name] = self._shard(file_name)
+    try:
+      value = self._open[file_name].get_tensor(name)
+    except (SafetensorError, OSError) as err:
+      raise CheckpointError(f"{self.directory / file_name}: cannot read tensor {name!r} ({err})") from None
+    self.read.add(name)
+    return value
 
 
 def save_kimi(model: KimiModel, out_dir, *, dtype: str = "bfloat16", max_shard_bytes: int = 15 * 2**20) -> None:
@@ -106,13 +143,37 @@ def load_kimi(directory, **config_overrides) -> KimiModel:
   config_path = directory / "config.json"
   if not config_path.exists():
     raise FileNotFoundError(f"{directory} has no config.json")
-  hf_config = json.loads(config_path.read_text())
+  hf_config = read_json(config_path)
   overrides = {"param_dtype": _stored_dtype(hf_config), "dtype": _stored_dtype(hf_config)}
   overrides.update(config_overrides)
   cfg = KimiConfig.from_hf(hf_config, **overrides)
   reader = ShardReader(directory)
   prefix = hf_io.detect_prefix(reader.names())
-  return hf_io.load_hf_tensors(cfg, reader, prefix=prefix)
+  model = hf_io.load_hf_tensors(cfg, reader, prefix=prefix)
+  unused = _unused_tensors(reader, prefix, hf_config, cfg)
+  if unused:
+    raise CheckpointError(
+        f"{directory}: {len(unused)} tensors of the checkpoint are not part of the model config.json describes "
+        f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); does config.json match the weights "
+        f"(num_hidden_layers={cfg.num_hidden_layers}, n_routed_experts={cfg.n_routed_experts})?")
+  return model
+
+
+def _unused_tensors(reader: ShardReader, prefix: str, hf_config: dict, cfg: KimiConfig) -> list[str]:
+  """The text model's tensors that loading did not read, beyond what a checkpoint may carry unused:
+  the multimodal wrapper's other towers, multi-token-prediction layers (after the last layer) and
+  rotary-frequency buffers."""
+  text = hf_config.get("text_config", hf_config)
+  mtp_layers = int(text.get("num_nextn_predict_layers") or 0)
+  unused = []
+  for name in sorted(set(reader.names()) - reader.read):
+    if not name.startswith(prefix) or name.endswith("rotary_emb.inv_freq"):
+      continue
+    layer = re.match(r"model\.layers\.(\d+)\.", name[len(prefix):])
+    if layer and cfg.num_hidden_layers <= int(layer.group(1)) < cfg.num_hidden_layers + mtp_layers:
+      continue
+    unused.append(name)
+  return unused
 
 
 def _stored_dtype(hf_config) -> str:
@@ -156,7 +217,9 @@ def load_dflash(directory, **config_overrides):
   """Loads a DFlash drafter directory (``config.json`` + safetensors)."""
   from models import dflash  # pylint: disable=import-outside-toplevel
   directory = resolve_model_dir(directory)
-  hf_config = json.loads((directory / "config.json").read_text())
+  if not (directory / "config.json").exists():
+    raise FileNotFoundError(f"{directory} has no config.json")
+  hf_config = read_json(directory / "config.json")
   overrides = {"param_dtype": _stored_dtype(hf_config), "dtype": _stored_dtype(hf_config)}
   overrides.update(config_overrides)
   cfg = dflash.DFlashConfig.from_hf(hf_config, **overrides)

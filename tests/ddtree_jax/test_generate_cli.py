@@ -22,9 +22,37 @@ def test_a_short_greedy_run_is_identical_to_plain_decoding(capsys):
     (["--attention-impl", "triton"], "invalid choice: 'triton'"),
     (["--budget", "-1"], "--budget out of range: -1"),
     (["--top-p", "0"], "--top-p out of range: 0.0"),
+    (["--seed", "-1"], "--seed out of range: -1"),
 ])
 def test_bad_arguments_are_refused_by_name(capsys, args, message):
   with pytest.raises(SystemExit) as exit_info:
     generate.main(args)
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+def test_an_unreadable_checkpoint_is_a_usage_error_naming_the_file(capsys, tmp_path):
+  from models import kimi, loading
+  from models.config import KimiConfig
+  loading.save_kimi(kimi.init_model(KimiConfig.tiny(), seed=0), tmp_path, dtype="float32", max_shard_bytes=100_000)
+  shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+  shard.write_bytes(shard.read_bytes()[:100])
+  with pytest.raises(SystemExit) as exit_info:
+    generate.main(["--model", str(tmp_path)])
+  assert exit_info.value.code == 2
+  assert f"{shard.name}: not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_policy_options_reach_the_policy(capsys):
+  code = generate.main(["--max-new-tokens", "8", "--policy", "beam", "--policy-option", "width=2", "--budget", "4",
+                        "--prompt", "import os", "--no-compare"])
+  assert code == 0
+  assert "policy beam, budget 4" in capsys.readouterr().out
+  for args, message in ((["--policy-option", "widht=2", "--policy", "beam"],
+                         "policy 'beam' got unknown options ['widht']; it accepts ['width']"),
+                        (["--policy-option", "width"], "--policy-option 'width': expected NAME=VALUE"),
+                        (["--policy-option", "width=0", "--policy", "beam"], "width")):
+    with pytest.raises(SystemExit) as exit_info:
+      generate.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -290,6 +290,11 @@ def test_bad_inputs_raise_before_compute(model):
     (dict(n_group=8, topk_group=4), "group-limited routing"),
     (dict(first_k_dense_replace=4), "first_k_dense_replace=4"),
     (dict(eos_token_id=999), "eos_token_id=999 outside"),
+    (dict(n_shared_experts=1.5), "n_shared_experts must be an int"),
+    (dict(first_k_dense_replace=True), "first_k_dense_replace must be an int"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(norm_topk_prob=1), "norm_topk_prob must be true or false"),
+    (dict(routed_scaling_factor=True), "routed_scaling_factor must be > 0"),
 ])
 def test_invalid_config_is_named(change, message):
   with pytest.raises(ConfigError, match=message):
@@ -312,6 +317,25 @@ def test_config_from_hf_plain_and_multimodal():
                             dtype=real.dtype, param_dtype=real.param_dtype) == int4_real
   with pytest.raises(ConfigError, match="only 'yarn'"):
     KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": "yarn"}, "rope_scaling must be a dict, got 'yarn'"),
+    ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}}, "rope_scaling lacks factor"),
+    ({"rope_scaling": {"type": "yarn", "factor": "x", "original_max_position_embeddings": 4096}},
+     "rope_scaling.factor must be a number, got 'x'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096.5}},
+     "original_max_position_embeddings must be an int"),
+    ({"eos_token_id": []}, "eos_token_id is an empty list"),
+    ({"eos_token_id": "0"}, "eos_token_id must be an int"),
+    ({"n_shared_experts": "1"}, "n_shared_experts must be an int, got '1'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+])
+def test_malformed_hf_config_values_are_config_errors(change, message):
+  """A config.json value of the wrong kind is a ConfigError naming the key, never a raw KeyError or
+  TypeError, and never silently taken (a truthy string would tie the embeddings)."""
+  with pytest.raises(ConfigError, match=message):
+    KimiConfig.from_hf({**KimiConfig.tiny().to_hf(), **change})
 
 
 def test_routed_block_matches_a_float64_loop_and_zeroes_rows_routed_nowhere():

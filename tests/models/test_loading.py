@@ -1,0 +1,85 @@
+"""Checkpoint directories that are not what they claim: every failure names the file or tensor, and
+no model is built from part of a checkpoint (tiny target, float32 safetensors written here, CPU)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from models import hf_io, kimi, loading
+from models.config import KimiConfig
+
+CFG = KimiConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def tensors():
+  return dict(hf_io.iter_hf_tensors(kimi.init_model(CFG, seed=1)))
+
+
+def write(directory, tensors, config, max_shard_bytes=100_000):
+  loading.write_sharded(tensors.items(), directory, dtype="float32", max_shard_bytes=max_shard_bytes)
+  (directory / "config.json").write_text(json.dumps(dict(config, torch_dtype="float32")))
+  return directory
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(tmp_path, tensors):
+  hf = CFG.to_hf()
+  write(tmp_path, tensors, hf)
+  assert loading.load_kimi(tmp_path).cfg.num_hidden_layers == CFG.num_hidden_layers
+  (tmp_path / "config.json").write_text(json.dumps(dict(hf, num_hidden_layers=CFG.num_hidden_layers - 1,
+                                                        torch_dtype="float32")))
+  last = CFG.num_hidden_layers - 1
+  with pytest.raises(loading.CheckpointError, match=f"tensors of the checkpoint are not part of the model.*"
+                                                    f"model\\.layers\\.{last}\\..*num_hidden_layers={last}"):
+    loading.load_kimi(tmp_path)
+
+
+def test_what_a_checkpoint_may_carry_unused(tmp_path, tensors):
+  """Multi-token-prediction layers after the last layer (when config.json declares them), another
+  tower beside ``language_model.``, and rotary buffers load; an MTP-like layer not declared does not."""
+  mtp = f"model.layers.{CFG.num_hidden_layers}.eh_proj.weight"
+  extra = {mtp: np.zeros((4, 4), np.float32),
+           "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}
+  write(tmp_path / "mtp", {**tensors, **extra}, dict(CFG.to_hf(), num_nextn_predict_layers=1))
+  assert loading.load_kimi(tmp_path / "mtp").cfg.num_hidden_layers == CFG.num_hidden_layers
+  write(tmp_path / "undeclared", {**tensors, **extra}, CFG.to_hf())
+  with pytest.raises(loading.CheckpointError, match=f"1 tensors .*{mtp}"):
+    loading.load_kimi(tmp_path / "undeclared")
+  wrapped = {"language_model." + k: v for k, v in tensors.items()}
+  wrapped["vision_tower.patch_embed.weight"] = np.zeros((2, 2), np.float32)
+  write(tmp_path / "multimodal", wrapped, {"text_config": CFG.to_hf(), "torch_dtype": "float32"})
+  assert loading.load_kimi(tmp_path / "multimodal").cfg.num_hidden_layers == CFG.num_hidden_layers
+
+
+def test_unreadable_files_are_named(tmp_path, tensors):
+  write(tmp_path, tensors, CFG.to_hf())
+  shards = sorted(tmp_path.glob("model-*.safetensors"))
+  assert len(shards) > 2
+  data = shards[1].read_bytes()
+  shards[1].write_bytes(data[: len(data) // 2])  # truncated
+  with pytest.raises(loading.CheckpointError, match=f"{shards[1].name}: not a readable safetensors file"):
+    loading.load_kimi(tmp_path)
+  shards[1].write_bytes(data)
+  index_path = tmp_path / "model.safetensors.index.json"
+  index = json.loads(index_path.read_text())
+  name = "model.norm.weight"
+  right = index["weight_map"][name]
+  index["weight_map"][name] = next(s.name for s in shards if s.name != right)  # listed in the wrong shard
+  index_path.write_text(json.dumps(index))
+  with pytest.raises(loading.CheckpointError, match=f"cannot read tensor '{name}'"):
+    loading.load_kimi(tmp_path)
+  index_path.write_text("{\"weight_map\": ")
+  with pytest.raises(loading.CheckpointError, match="model.safetensors.index.json: not valid JSON"):
+    loading.load_kimi(tmp_path)
+  (tmp_path / "config.json").write_text("{\"vocab_size\": 256,")
+  with pytest.raises(loading.CheckpointError, match="config.json: not valid JSON"):
+    loading.load_kimi(tmp_path)
+  (tmp_path / "config.json").write_text("[1, 2]")
+  with pytest.raises(loading.CheckpointError, match="config.json: expected a JSON object, got list"):
+    loading.load_kimi(tmp_path)
+  shards[0].unlink()
+  index_path.write_text(json.dumps({"weight_map": {k: shards[0].name for k in tensors}}))
+  (tmp_path / "config.json").write_text(json.dumps(dict(CFG.to_hf(), torch_dtype="float32")))
+  with pytest.raises(FileNotFoundError, match=f"checkpoint shard .*{shards[0].name} is missing"):
+    loading.load_kimi(tmp_path)
