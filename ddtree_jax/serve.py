@@ -5,11 +5,14 @@
     python -m ddtree_jax.serve --budget 1:32,4:16,16:8 --max-batch 16 --api-key secret
     python -m ddtree_jax.serve --attention-impl pallas --moe-impl pallas   # the Pallas kernels (GPU)
     python -m ddtree_jax.serve --policy-module my_policies.py --spec my_policy   # a policy of your own
+    python -m ddtree_jax.serve --spec beam --policy-option width=4               # a policy's options
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health (200 once warm-up compilation is done), GET /metrics (Prometheus).
-At temperature 0 a speculative server returns exactly the text of ``--spec none`` (the target's
-greedy decoding); at T > 0 it samples the target's distribution.
+At temperature 0 a speculative server returns the text of ``--spec none`` (the target's greedy
+decoding), exactly so with ``--dtype float32``; in bf16 (the demo pair's default) a stream may part
+from it where two logits lie within bf16 rounding noise (README). At T > 0 it samples the target's
+distribution.
 """
 
 import argparse
@@ -59,7 +62,8 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   try:
     config = ServeConfig(model=args.model, drafter=args.drafter, served_model_name=args.served_model_name,
-                         spec=args.spec, budget=args.budget, max_batch=args.max_batch,
+                         spec=args.spec, policy_options=policy_modules.parse_options(args.policy_option),
+                         budget=args.budget, max_batch=args.max_batch,
                          max_context=args.max_context, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
                          compile_cache_dir=args.compile_cache_dir, host=args.host, port=args.port,
@@ -74,8 +78,7 @@ def main(argv=None) -> int:
   config, args = parse_args(argv)
   logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   from serve.launch import serve_forever  # pylint: disable=import-outside-toplevel
-  serve_forever(config)
-  return 0
+  return serve_forever(config)
 
 
 if __name__ == "__main__":

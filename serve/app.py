@@ -17,7 +17,9 @@ import jinja2
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve import protocol
 from serve.config import Engine
@@ -62,6 +64,12 @@ def create_app(state: ServerState) -> FastAPI:
   async def _api_error(_request: Request, err: ApiError):
     return JSONResponse(err.body(), status_code=err.status)
 
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(request: Request, err: StarletteHTTPException):  # unknown route, wrong method
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code,
+                        headers=getattr(err, "headers", None))
+
   @app.exception_handler(Exception)
   async def _unexpected(_request: Request, err: Exception):
     log.exception("unexpected error in a request handler")
@@ -85,18 +93,25 @@ def create_app(state: ServerState) -> FastAPI:
       return Response(b"", media_type="text/plain; version=0.0.4")
     return Response(state.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
+  def model_card(eng: Engine) -> dict:
+    return {"id": eng.config.model_name, "object": "model", "created": int(state.started), "owned_by": "ddtree-jax",
+            "max_model_len": eng.max_context, "spec": eng.config.spec}
+
   @app.get("/v1/models")
   async def models():
+    return {"object": "list", "data": [model_card(state.require_engine())]}
+
+  @app.get("/v1/models/{model_id:path}")
+  async def model(model_id: str):
     eng = state.require_engine()
-    return {"object": "list", "data": [{
-        "id": eng.config.model_name, "object": "model", "created": int(state.started), "owned_by": "ddtree-jax",
-        "max_model_len": eng.max_context, "spec": eng.config.spec}]}
+    _check_model(eng, model_id)
+    return model_card(eng)
 
   @app.post("/v1/completions")
   async def completions(request: Request):
     eng, body = await _accept(state, request, protocol.CompletionRequest)
-    try:
-      prompt_ids = eng.codec.completion_prompt(body.single_prompt)
+    try:  # a megabyte of text takes a while to tokenize: not on the event loop, which serves every client
+      prompt_ids = await run_in_threadpool(eng.codec.completion_prompt, body.single_prompt)
     except TextError as err:
       raise ApiError(400, str(err), param="prompt") from None
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -109,7 +124,7 @@ def create_app(state: ServerState) -> FastAPI:
   async def chat_completions(request: Request):
     eng, body = await _accept(state, request, protocol.ChatCompletionRequest)
     try:
-      prompt_ids = eng.codec.chat_prompt([Message(m.role, m.text) for m in body.messages])
+      prompt_ids = await run_in_threadpool(eng.codec.chat_prompt, [Message(m.role, m.text) for m in body.messages])
     except TextError as err:
       raise ApiError(400, str(err), param="messages") from None
     except jinja2.TemplateError as err:  # the checkpoint's template itself failed
@@ -119,7 +134,7 @@ def create_app(state: ServerState) -> FastAPI:
       max_tokens = eng.max_context - len(prompt_ids)
       if max_tokens <= 0:
         raise ApiError(400, f"the messages take {len(prompt_ids)} tokens, which leaves no room in the "
-                       f"{eng.max_context}-token context", param="messages")
+                       f"{eng.max_context}-token context", param="messages", code="context_length_exceeded")
     return await _serve(request, eng, body, prompt_ids, max_tokens, chat=True)
 
   return app
@@ -151,8 +166,9 @@ class _Guard:
     try:
       headers = Headers(scope=scope)
       if state.api_key is not None and path.startswith("/v1/"):
-        given = headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        # The scheme is case-insensitive (RFC 7235); the key is not.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
           raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                          code="invalid_api_key")
       length = headers.get("content-length")
@@ -198,6 +214,12 @@ async def _read_json(request: Request, limit: int) -> Any:
     raise ApiError(400, f"malformed JSON body: {err}") from None
   if not isinstance(obj, dict):
     raise ApiError(400, "the request body must be a JSON object")
+  try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"), which is no text: refuse it here, once
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+  except UnicodeEncodeError as err:
+    raise ApiError(400, f"malformed JSON body: a string holds a lone UTF-16 surrogate ({err.reason})") from None
+  except RecursionError:
+    raise ApiError(400, "malformed JSON body: nested too deeply") from None
   return obj
 
 

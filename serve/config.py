@@ -24,6 +24,7 @@ class ServeConfig:
     model, drafter: bundled names or checkpoint directories.
     served_model_name: the name clients send as ``model`` (default: the model's name).
     spec: ``none`` (plain autoregressive decoding) or a registered tree policy.
+    policy_options: options bound to that policy (``policies.get_policy``), e.g. ``{"width": 4}``.
     budget: the budget table (``BudgetTable.parse``); ignored for ``spec="none"``.
     max_batch: requests decoded together (rows of the largest compiled batch).
     max_context: prompt + generated tokens per request.
@@ -40,6 +41,7 @@ class ServeConfig:
   drafter: str = "kimi-demo-dflash"
   served_model_name: str | None = None
   spec: str = "ddtree"
+  policy_options: dict = dataclasses.field(default_factory=dict)
   budget: str = "1:32,4:16,16:8,64:4"
   max_batch: int = 16
   max_context: int = 1024
@@ -64,8 +66,14 @@ class ServeConfig:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     if self.max_queue < 0:
       raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+    if not 0 <= self.port <= 65535:  # uvicorn would bind the port modulo 65536
+      raise ValueError(f"port must lie in [0, 65535], got {self.port}")
     if self.spec != "none" and self.spec not in policies.available_policies():
       raise ValueError(f"spec {self.spec!r}: expected 'none' or one of {policies.available_policies()}")
+    if self.policy_options:
+      if self.spec == "none":
+        raise ValueError("policy options given with spec 'none' (no tree policy runs)")
+      policies.get_policy(self.spec, **self.policy_options)  # names an option the policy does not take
     if self.dtype not in ("auto", "bfloat16", "float32"):
       raise ValueError(f"dtype {self.dtype!r}: expected auto, bfloat16 or float32")
     BudgetTable.parse(self.budget)
@@ -125,6 +133,7 @@ def build_engine(config: ServeConfig) -> Engine:
            jax.devices()[0].device_kind)
   decoder = engine.SpeculativeDecoder(
       target, drafter, drafter_params, policy=config.spec if config.spec != "none" else "chain",
+      policy_options=config.policy_options,
       budgets=budgets, batch_buckets=buckets,
       bucket_budgets={b: table.budgets_for_bucket(b, prev) for b, prev in zip(buckets, (0,) + buckets[:-1])},
       max_len=config.max_context + max_q_len, prefill_chunk=min(config.prefill_chunk, config.max_context),

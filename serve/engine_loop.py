@@ -187,7 +187,7 @@ class EngineLoop:
     self._inbox: "queue.SimpleQueue[tuple[str, Job | None]]" = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._queued = 0  # jobs submitted and not yet admitted (the bounded queue)
-    self._running = 0  # rows in use, as of the engine's last turn (read by ``submit``)
+    self._running = 0  # rows in use: set at the end of each turn, raised as each admission lands (read by ``submit``)
     self._waiting: collections.deque[Job] = collections.deque()
     self._jobs: dict[engine.Request, Job] = {}
     self._batch = engine.Batch(decoder, decoder.batch_buckets[0])
@@ -322,10 +322,10 @@ class EngineLoop:
     while self._waiting and self._batch.free_rows() and (
         admitted_tokens == 0 or admitted_tokens + self._waiting[0].prompt_tokens <= self.prefill_tokens_per_turn):
       job = self._waiting.popleft()
-      self._dequeued(1)
       try:
         self._batch.admit(job.request)
       except Exception as err:  # pylint: disable=broad-except
+        self._dequeued(1)
         log.warning("admission failed: %s", err)
         self.metrics.engine_failures.inc()
         self._finish(job, error=f"admission failed: {err}")
@@ -333,6 +333,10 @@ class EngineLoop:
           self._fail_running(err)
           return
         continue
+      with self._lock:  # queued until now, running from now on: ``submit`` never sees it in neither
+        self._queued -= 1
+        self._running += 1
+        self.metrics.queue_depth.set(self._queued)
       admitted_tokens += job.prompt_tokens
       self._jobs[job.request] = job
       self.metrics.prompt_tokens.inc(job.prompt_tokens)

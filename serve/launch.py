@@ -130,14 +130,29 @@ class ServerThread:
     self.close()
 
 
-def serve_forever(config: ServeConfig) -> None:
-  """The CLI's server: warm-up in the background, uvicorn in the foreground until interrupted."""
+def serve_forever(config: ServeConfig) -> int:
+  """The CLI's server: warm-up in the background, uvicorn in the foreground until interrupted.
+
+  Returns the process's exit status: 0 after an interrupt, 1 when the warm-up failed (a model that
+  does not load, a step that does not compile), so that a supervisor sees a failed start rather
+  than a server answering 503 forever."""
   config.check_backend()
   state = ServerState(api_key=config.api_key, max_body_bytes=config.max_body_bytes)
-  app = create_app(state)
+  server = uvicorn.Server(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_level="info",
+                                         timeout_keep_alive=30))
   start_warm_up(state, config)
+
+  def stop_on_failed_warm_up():
+    while not state.ready.wait(0.2):
+      if state.load_error:
+        log.error("warm-up failed, shutting down: %s", state.load_error)
+        server.should_exit = True
+        return
+
+  threading.Thread(target=stop_on_failed_warm_up, name="ddtree-warmup-watch", daemon=True).start()
   try:
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=30)
+    server.run()
   finally:
     if state.engine is not None:
       state.engine.loop.shutdown()
+  return 1 if state.load_error else 0

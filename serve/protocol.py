@@ -179,6 +179,10 @@ class ChatCompletionRequest(_Sampling):
       value = getattr(self, name)
       if value is not None and value <= 0:
         raise ApiError(400, f"{name} must be positive, got {value}", param=name)
+    for i, message in enumerate(self.messages):
+      if message.name is not None:  # the chat template has no place for it: refused, not dropped
+        raise ApiError(400, "messages[].name is not supported by this server's chat template",
+                       param=f"messages.{i}.name")
 
   @property
   def token_limit(self) -> int | None:

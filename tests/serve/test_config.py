@@ -74,3 +74,46 @@ def test_server_thread_refuses_pallas_off_the_gpu_before_it_starts(monkeypatch):
   monkeypatch.setattr(serve_config.jax, "default_backend", lambda: "cpu")
   with pytest.raises(ValueError, match="moe_impl='pallas' runs a Mosaic GPU kernel"):
     ServerThread(ServeConfig(port=0, moe_impl="pallas"))
+
+
+def test_policy_options_are_checked_and_reach_the_decoder(monkeypatch, capsys):
+  config, _ = serve_cli.parse_args(["--spec", "beam", "--policy-option", "width=3"])
+  assert config.policy_options == {"width": 3}
+  for argv, message in ((["--spec", "beam", "--policy-option", "widht=3"],
+                         "policy 'beam' got unknown options ['widht']; it accepts ['width']"),
+                        (["--spec", "none", "--policy-option", "width=3"], "policy options given with spec 'none'"),
+                        (["--policy-option", "width=3", "--policy-option", "width=4", "--spec", "beam"],
+                         "--policy-option width given twice")):
+    with pytest.raises(SystemExit) as exit_info:
+      serve_cli.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def decoder(*args, **kwargs):
+    seen.update(kwargs)
+    raise Stop
+  monkeypatch.setattr(serve_config.engine, "SpeculativeDecoder", decoder)
+  with pytest.raises(Stop):
+    serve_config.build_engine(config)
+  assert seen["policy"] == "beam" and seen["policy_options"] == {"width": 3}
+
+
+def test_the_server_exits_when_its_model_does_not_load(tmp_path):
+  """A warm-up that fails ends the process with status 1 and the error, rather than a server that
+  answers 503 forever (a supervisor must see a failed start)."""
+  proc = subprocess.run([sys.executable, "-m", "ddtree_jax.serve", "--model", str(tmp_path / "missing"), "--port", "0",
+                         "--log-level", "warning"], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "warm-up failed" in proc.stderr and "no model directory or bundled model named" in proc.stderr
+
+
+def test_an_out_of_range_port_is_refused(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    serve_cli.parse_args(["--port", "99999"])
+  assert exit_info.value.code == 2
+  assert "port must lie in [0, 65535], got 99999" in capsys.readouterr().err

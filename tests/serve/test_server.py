@@ -311,6 +311,30 @@ def test_bad_requests_get_openai_errors(server):
   assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
 
 
+def test_edges_of_the_openai_surface(server):
+  """Unknown routes and methods answer in OpenAI's error shape, a model can be retrieved by id,
+  lone surrogates are a 400 (not a 500 from the tokenizer), and a message name is refused, not dropped."""
+  nope = httpx.get(server.url + "/v1/nope")
+  assert nope.status_code == 404 and nope.json()["error"]["message"] == "GET /v1/nope: Not Found"
+  wrong = httpx.get(server.url + "/v1/completions")
+  assert wrong.status_code == 405 and "Method Not Allowed" in wrong.json()["error"]["message"]
+  one = httpx.get(server.url + "/v1/models/kimi-demo").json()
+  assert one["id"] == "kimi-demo" and one["object"] == "model"
+  missing = httpx.get(server.url + "/v1/models/other")
+  assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+  url = server.url + "/v1/completions"
+  for raw in (b'{"prompt": "\\ud800abc", "max_tokens": 2}', b'{"prompt": "x", "model": "\\udfff"}',
+              b'{"messages": [{"role": "user", "content": "\\udfff"}]}'):
+    target = url if b"prompt" in raw else server.url + "/v1/chat/completions"
+    r = httpx.post(target, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]["message"], r.text
+  chat = server.url + "/v1/chat/completions"
+  named = httpx.post(chat, json={"messages": [{"role": "user", "content": "hi", "name": "ann"}], "max_tokens": 2})
+  assert named.status_code == 400 and named.json()["error"]["param"] == "messages.0.name"
+  full = httpx.post(chat, json={"messages": [{"role": "user", "content": "x " * 400}]})
+  assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded", full.text
+
+
 def test_api_key_body_limit_and_full_queue(server):
   keyed = ServeConfig(port=0, api_key="s3cret", max_body_bytes=2048, **{**COMMON, "max_queue": 0})
   with ServerThread(keyed, engine=server.engine) as other:
@@ -318,14 +342,18 @@ def test_api_key_body_limit_and_full_queue(server):
     assert httpx.post(other.url + "/v1/completions", json=body).status_code == 401
     wrong = httpx.post(other.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    for header in ("Basic s3cret", "s3cret", "Bearer s3cret2", "Bearer S3CRET"):
+      assert httpx.get(other.url + "/v1/models", headers={"Authorization": header}).status_code == 401, header
+    assert httpx.get(other.url + "/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
     auth = {"Authorization": "Bearer s3cret"}
     assert httpx.get(other.url + "/v1/models", headers=auth).status_code == 200
     assert httpx.get(other.url + "/health").status_code == 200  # health and metrics need no key
     big = httpx.post(other.url + "/v1/completions", json={"prompt": "x" * 4000}, headers=auth)
     assert big.status_code == 413 and "2048" in big.json()["error"]["message"]
   # A full queue. The engine is held inside a step (a test hook in place of the fault injector), so
-  # submitted requests stay queued: with max_queue 0, as many as there are free rows are taken, the
-  # next one gets 429, and all the taken ones complete once the engine goes on.
+  # submitted requests stay queued: with max_queue 0, as many as there are free rows (all but the
+  # running request's) are taken, the next one gets 429, and all the taken ones complete once the
+  # engine goes on.
   loop = server.engine.loop
   wait_idle(server)
 
@@ -344,18 +372,52 @@ def test_api_key_body_limit_and_full_queue(server):
       futures = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=120)]
       assert stall.entered.wait(30)
       futures += [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=120)
-                  for _ in range(loop.decoder.max_batch)]
+                  for _ in range(loop.decoder.max_batch - 1)]
       deadline = time.monotonic() + 30
-      while loop.snapshot()["queued"] < loop.decoder.max_batch and time.monotonic() < deadline:
+      while loop.snapshot()["queued"] < loop.decoder.max_batch - 1 and time.monotonic() < deadline:
         time.sleep(0.02)
       r = httpx.post(server.url + "/v1/completions", json=body)
       assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
     finally:
       loop.faults, loop.max_queue = None, saved
       stall.release.set()
-    assert [f.result().status_code for f in futures] == [200] * (loop.decoder.max_batch + 1)
+    assert [f.result().status_code for f in futures] == [200] * loop.decoder.max_batch
   assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
   assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_a_request_being_admitted_still_counts_against_the_queue(server, monkeypatch):
+  """Burst while a prompt is prefilled into its row: that request counts as queued until it runs, so
+  at most max_batch + max_queue requests are taken, however the burst falls around admissions."""
+  from ddtree_jax import engine as engine_lib
+  loop, body = server.engine.loop, {"prompt": "x", "max_tokens": 2}
+  wait_idle(server)
+  entered, release = threading.Event(), threading.Event()
+  admit = engine_lib.Batch.admit
+
+  def slow_admit(batch, request):
+    entered.set()
+    release.wait(60)
+    return admit(batch, request)
+  saved = loop.max_queue
+  monkeypatch.setattr(engine_lib.Batch, "admit", slow_admit)
+  loop.max_queue = 0
+  rows = loop.decoder.max_batch
+  post = lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
+  with cf.ThreadPoolExecutor(rows + 3) as pool:
+    try:
+      first = pool.submit(post)
+      assert entered.wait(30)  # the engine is inside the first request's admission
+      burst = [pool.submit(post) for _ in range(rows + 2)]
+      deadline = time.monotonic() + 30
+      while sum(f.done() for f in burst) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    finally:
+      release.set()
+      loop.max_queue = saved
+    statuses = [first.result()] + [f.result() for f in burst]
+  assert statuses.count(200) == rows and statuses.count(429) == 3, statuses
+  assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
 
 
 def test_engine_fault_fails_only_its_step_and_the_server_goes_on(server):
