@@ -95,12 +95,15 @@ def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_st
     max_depth = jnp.where(active, jnp.clip(decode.remaining - 1, 0, drafter.num_positions), 0)
     try:
       drafted = policy(decode.root, start, ids, logprobs, budget, max_depth)
-    except (ValueError, TypeError) as err:  # traced when the step compiles: a bad option or budget
-      raise EngineError(f"policy {_policy_name(policy)!r} failed at budget {budget}: {err}") from err
+    except EngineError:
+      raise
+    except Exception as err:  # pylint: disable=broad-except  # traced when the step compiles
+      raise EngineError(f"policy {_policy_name(policy)!r} failed at budget {budget}: "
+                        f"{type(err).__name__}: {err}") from err
     drafted = _check_policy_tree(drafted, policy, budget, decode.root.shape[0])
     # Only the policy's choice of nodes is kept: the rest is derived, so no policy can make the
     # target verify a node at the wrong place or with the wrong context.
-    tree = tree_lib.canonical_tree(drafted, decode.root, start, max_depth)
+    tree = tree_lib.canonical_tree(drafted, decode.root, start, max_depth, target.cfg.vocab_size)
     rank0 = jnp.take_along_axis(ids[:, :, 0], jnp.clip(tree.depth - 1, 0, ids.shape[1] - 1), axis=1)
     off_rank0 = (tree.depth > 0) & (tree.tokens != rank0)  # [B, Q]
   else:

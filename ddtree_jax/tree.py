@@ -181,22 +181,25 @@ def _build_tree(tokens, parents, valid, start):
               visibility=visibility, valid=valid)
 
 
-def canonical_tree(tree, root_tokens, start, max_depth=None):
+def canonical_tree(tree, root_tokens, start, max_depth=None, vocab_size=None):
   """The tree the engine verifies: a policy's ``tokens``, ``parents`` and ``valid``, nothing else.
 
   Lossless output must not rest on a policy getting every field right, so the engine keeps only
   what a policy chooses and derives the rest (jit-able, no host sync):
     * the root is each request's ``root_tokens`` at ``start``, always real;
     * a node is real only if the policy says so, its parent lies in ``[0, i)``, every ancestor is
-      real and its depth is at most ``max_depth`` (when given); every other row is padding
-      (parent -1, token 0, depth 0);
+      real, its depth is at most ``max_depth`` and its token lies in ``[0, vocab_size)`` (each
+      check when given: a token the target can never draw is never accepted, and one outside
+      its embedding would reach the verify forward as NaN); every other row is padding (parent
+      -1, token 0, depth 0);
     * ``depth``, ``positions`` and ``visibility`` follow from the parents.
-  A well-formed tree (``tree_from_parents``) comes back unchanged. Duplicate sibling tokens are
-  left alone: they waste budget but cannot change what the walk accepts.
+  A well-formed tree (``tree_from_parents``) comes back unchanged but for its padded rows' tokens
+  (0). Duplicate sibling tokens are left alone: they waste budget but cannot change what the walk
+  accepts.
 
   Args:
     tree: a ``Tree`` ([B, Q]); only its tokens, parents and valid are read.
-    root_tokens, start: int32[B]; max_depth: int32[B] or None.
+    root_tokens, start: int32[B]; max_depth: int32[B] or None; vocab_size: int or None.
   Returns:
     Tree.
   """
@@ -204,18 +207,20 @@ def canonical_tree(tree, root_tokens, start, max_depth=None):
   index = jnp.arange(q_len, dtype=jnp.int32)[None, :]
   parents = jnp.asarray(tree.parents, jnp.int32)
   placed = (index == 0) | ((parents >= 0) & (parents < index))
+  tokens = jnp.asarray(tree.tokens, jnp.int32)
+  if vocab_size is not None:  # descendants of a dropped node drop with it (below)
+    placed = placed & (tokens >= 0) & (tokens < vocab_size)
   valid = (jnp.asarray(tree.valid, bool) & placed).at[:, 0].set(True)
   parents = jnp.where(valid & (index > 0), parents, -1)
   visibility = visibility_from_parents(parents, valid)  # chains end at padding or the root
   depth = depth_from_visibility(visibility)
   # Real iff every node on the chain is real (then the chain ends at the root).
   valid = valid & ~jnp.any(visibility & ~valid[:, None, :], axis=-1)
-  if max_depth is not None:  # descendants are deeper still, so the set stays closed
-    valid = valid & (depth <= jnp.asarray(max_depth, jnp.int32)[:, None])
+  if max_depth is not None:  # descendants are deeper still, so the set stays closed; the root stays
+    valid = valid & (depth <= jnp.maximum(jnp.asarray(max_depth, jnp.int32), 0)[:, None])
   visibility = jnp.where(valid[:, :, None], visibility, jnp.eye(q_len, dtype=bool)[None])
   depth = jnp.where(valid, depth, 0)
-  tokens = jnp.where(valid, jnp.asarray(tree.tokens, jnp.int32), 0)
-  tokens = tokens.at[:, 0].set(jnp.asarray(root_tokens, jnp.int32))
+  tokens = jnp.where(valid, tokens, 0).at[:, 0].set(jnp.asarray(root_tokens, jnp.int32))
   start = jnp.asarray(start, jnp.int32)
   return Tree(tokens=tokens, parents=jnp.where(valid, parents, -1), depth=depth,
               positions=start[:, None] + depth, visibility=visibility, valid=valid)

@@ -79,7 +79,7 @@ class ShardReader:
   """Lazy access to the tensors of a sharded (or single-file) safetensors checkpoint.
 
   A missing tensor is a KeyError naming it; an unreadable shard (truncated, not safetensors, not
-  holding what the index says) a CheckpointError naming the file. ``read`` holds the names read.
+  holding what the index says) a CheckpointError naming the file.
   """
 
   def __init__(self, directory, prefix: str = "model"):
@@ -95,7 +95,6 @@ class ShardReader:
     else:
       raise FileNotFoundError(f"{self.directory} has neither {index.name} nor {prefix}.safetensors")
     self._open: dict = {}
-    self.read: set = set()
 
   def _shard(self, file_name: str):
     path = self.directory / file_name
@@ -119,7 +118,6 @@ class ShardReader:
       value = self._open[file_name].get_tensor(name)
     except (SafetensorError, OSError) as err:
       raise CheckpointError(f"{self.directory / file_name}: cannot read tensor {name!r} ({err})") from None
-    self.read.add(name)
     return value
 
 
@@ -149,31 +147,47 @@ def load_kimi(directory, **config_overrides) -> KimiModel:
   cfg = KimiConfig.from_hf(hf_config, **overrides)
   reader = ShardReader(directory)
   prefix = hf_io.detect_prefix(reader.names())
-  model = hf_io.load_hf_tensors(cfg, reader, prefix=prefix)
-  unused = _unused_tensors(reader, prefix, hf_config, cfg)
-  if unused:
-    raise CheckpointError(
-        f"{directory}: {len(unused)} tensors of the checkpoint are not part of the model config.json describes "
-        f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); does config.json match the weights "
-        f"(num_hidden_layers={cfg.num_hidden_layers}, n_routed_experts={cfg.n_routed_experts})?")
-  return model
+  if not STRUCTURAL_OVERRIDES & set(config_overrides):  # else a deliberate partial load
+    unknown = _unaccounted_tensors(reader.names(), prefix, hf_config, cfg)
+    if unknown:  # checked by name before anything is read: a 600 GB load fails at once
+      raise CheckpointError(
+          f"{directory}: {len(unknown)} tensors of the checkpoint are not part of the model its config.json "
+          f"describes ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); does config.json match "
+          f"the weights (num_hidden_layers={cfg.num_hidden_layers}, n_routed_experts={cfg.n_routed_experts})?")
+  return hf_io.load_hf_tensors(cfg, reader, prefix=prefix)
 
 
-def _unused_tensors(reader: ShardReader, prefix: str, hf_config: dict, cfg: KimiConfig) -> list[str]:
-  """The text model's tensors that loading did not read, beyond what a checkpoint may carry unused:
-  the multimodal wrapper's other towers, multi-token-prediction layers (after the last layer) and
-  rotary-frequency buffers."""
-  text = hf_config.get("text_config", hf_config)
-  mtp_layers = int(text.get("num_nextn_predict_layers") or 0)
-  unused = []
-  for name in sorted(set(reader.names()) - reader.read):
-    if not name.startswith(prefix) or name.endswith("rotary_emb.inv_freq"):
+# Overrides that make a model smaller than its checkpoint on purpose (e.g. a few layers of K2.6 for a
+# smoke test): the checkpoint's extra tensors are then expected.
+STRUCTURAL_OVERRIDES = frozenset({"num_hidden_layers", "n_routed_experts", "first_k_dense_replace", "n_shared_experts",
+                                  "tie_word_embeddings"})
+_EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.\d+\.\w+)\.(weight|weight_packed|weight_scale|weight_shape)$")
+
+
+def _unaccounted_tensors(names, prefix: str, hf_config: dict, cfg: KimiConfig) -> list[str]:
+  """The text model's tensors (under ``prefix``) that a model of ``cfg`` has no place for, beyond
+  what a checkpoint may carry unused: the multimodal wrapper's other towers, multi-token-prediction
+  layers after the last layer (``num_nextn_predict_layers``), rotary-frequency buffers and, with
+  tied embeddings, an ``lm_head.weight``. Routed experts count in either form (bf16 or INT4: each
+  loads into the other)."""
+  expected = set(hf_io.hf_names(cfg))
+  expert_bases = {m.group(1) for m in map(_EXPERT_TENSOR.match, expected) if m}
+  configs = (hf_config, hf_config.get("text_config"))  # K2.5/K2.6 nest the text model's config
+  mtp_layers = max(int(c.get("num_nextn_predict_layers") or 0) for c in configs if isinstance(c, dict))
+  unknown = []
+  for name in sorted(names):
+    if not name.startswith(prefix):
       continue
-    layer = re.match(r"model\.layers\.(\d+)\.", name[len(prefix):])
+    short = name[len(prefix):]
+    expert = _EXPERT_TENSOR.match(short)
+    if (short in expected or (expert and expert.group(1) in expert_bases) or short.endswith("rotary_emb.inv_freq")
+        or (short == "lm_head.weight" and cfg.tie_word_embeddings)):
+      continue
+    layer = re.match(r"model\.layers\.(\d+)\.", short)
     if layer and cfg.num_hidden_layers <= int(layer.group(1)) < cfg.num_hidden_layers + mtp_layers:
       continue
-    unused.append(name)
-  return unused
+    unknown.append(name)
+  return unknown
 
 
 def _stored_dtype(hf_config) -> str:

@@ -118,6 +118,9 @@ def build_engine(config: ServeConfig) -> Engine:
   model_dir = loading.resolve_model_dir(config.model)
   dtype = {} if config.dtype == "auto" else {"dtype": config.dtype, "param_dtype": config.dtype}
   target = loading.load_kimi(model_dir, **dtype, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
+  if config.max_context > target.cfg.max_position_embeddings:
+    raise ValueError(f"--max-context {config.max_context} exceeds the model's max_position_embeddings "
+                     f"{target.cfg.max_position_embeddings}")
   codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
   table = config.budget_table
   buckets = batch_buckets(config.max_batch)

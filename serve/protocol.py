@@ -22,9 +22,9 @@ class ApiError(Exception):
     self.status = status
     self.message = message
     self.param = param
-    self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"
-                          }.get(status, "server_error")
+    self.type = type_ or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+                          503: "service_unavailable"}.get(
+                              status, "invalid_request_error" if 400 <= status < 500 else "server_error")
     self.code = code
 
   def body(self) -> dict:
@@ -180,9 +180,8 @@ class ChatCompletionRequest(_Sampling):
       if value is not None and value <= 0:
         raise ApiError(400, f"{name} must be positive, got {value}", param=name)
     for i, message in enumerate(self.messages):
-      if message.name is not None:  # the chat template has no place for it: refused, not dropped
-        raise ApiError(400, "messages[].name is not supported by this server's chat template",
-                       param=f"messages.{i}.name")
+      if message.name is not None:  # no chat template here receives it: refused rather than dropped
+        raise ApiError(400, "messages[].name is not supported by this server", param=f"messages.{i}.name")
 
   @property
   def token_limit(self) -> int | None:

@@ -106,6 +106,29 @@ def test_malformed_parents_and_depths_are_cut_not_verified(setup, clean):
   assert [s.tree_size for s in got.steps] == [s.tree_size for s in clean.steps]
 
 
+@pytest.mark.parametrize("token", [CFG.vocab_size, -100_000, -1])
+def test_a_token_outside_the_vocabulary_is_never_verified(setup, clean, token):
+  """Such a node can never be accepted; verified, it would enter the target's embedding as NaN
+  (or wrap around) and reach the other nodes of the window through the attention."""
+  def with_extra_child(t):
+    extra = t.valid.shape[1] - 1  # the last row, padding in a chain shorter than the budget
+    return dataclasses.replace(t, tokens=t.tokens.at[:, extra].set(token), parents=t.parents.at[:, extra].set(0),
+                               valid=t.valid.at[:, extra].set(True))
+
+  def chain_short(root_tokens, start, ids, logprobs, budget, max_depth=None):
+    tree = policies.chain(root_tokens, start, ids, logprobs, budget, jnp.minimum(max_depth, budget - 1))
+    return with_extra_child(tree)
+  got = run(setup, chain_short)
+  assert max(n for s in got.steps for n in s.tree_size) == BUDGET  # the chain's nodes, not the extra one
+
+
+def test_a_policy_that_raises_is_named(setup):
+  def broken(root_tokens, start, ids, logprobs, budget, max_depth=None):
+    return [][0]
+  with pytest.raises(engine.EngineError, match="policy 'broken' failed at budget 6: IndexError: list index"):
+    run(setup, broken)
+
+
 def test_policy_options_are_bound_to_a_callable(setup):
   def capped_chain(root_tokens, start, ids, logprobs, budget, max_depth=None, cap=BUDGET):
     return policies.chain(root_tokens, start, ids, logprobs, budget, jnp.minimum(max_depth, cap))

@@ -156,7 +156,7 @@ def test_tree_from_paths_errors(paths, q_len, message):
     T.tree_from_paths(0, paths, q_len=q_len)
 
 
-def _canonical_reference(tokens, parents, valid, root_tokens, start, max_depth):
+def _canonical_reference(tokens, parents, valid, root_tokens, start, max_depth, vocab_size):
   """Sequential host reference of ``canonical_tree`` (parents come before children)."""
   batch, q_len = tokens.shape
   real = np.zeros((batch, q_len), bool)
@@ -165,7 +165,8 @@ def _canonical_reference(tokens, parents, valid, root_tokens, start, max_depth):
     real[b, 0] = True
     for i in range(1, q_len):
       p = int(parents[b, i])
-      if valid[b, i] and 0 <= p < i and real[b, p] and depth[b, p] + 1 <= max_depth[b]:
+      if (valid[b, i] and 0 <= p < i and real[b, p] and depth[b, p] + 1 <= max_depth[b]
+          and 0 <= tokens[b, i] < vocab_size):
         real[b, i], depth[b, i] = True, depth[b, p] + 1
   canon_parents = np.where(real, parents, -1).astype(np.int32)
   canon_parents[:, 0] = -1
@@ -180,21 +181,22 @@ def test_canonical_tree_repairs_any_policy_output(seed):
   tokens, parents and valid alone (against a sequential host reference)."""
   rng = np.random.default_rng(seed)
   batch, q_len = 5, 23
-  tokens = rng.integers(0, 50, (batch, q_len)).astype(np.int32)
+  tokens = rng.integers(-3, 53, (batch, q_len)).astype(np.int32)  # some outside a vocabulary of 50
   # Parents anywhere, forward and out of range included; valid at random, root too.
   parents = rng.integers(-3, q_len + 3, (batch, q_len)).astype(np.int32)
   parents[:, 1:4] = 0  # some real children of the root in every row
   valid = rng.random((batch, q_len)) < 0.8
   root_tokens = rng.integers(0, 50, batch).astype(np.int32)
   start = rng.integers(0, 100, batch).astype(np.int32)
-  max_depth = np.array([q_len, 3, 1, 0, 6], np.int32)
+  max_depth = np.array([q_len, 3, 1, -2, 6], np.int32)  # below 0: the root alone
   garbage = T.Tree(tokens=tokens, parents=parents, depth=rng.integers(-5, 5, (batch, q_len)).astype(np.int32),
                    positions=rng.integers(-5, 500, (batch, q_len)).astype(np.int32),
                    visibility=rng.random((batch, q_len, q_len)) < 0.5, valid=valid)
-  got = jax.jit(T.canonical_tree)(garbage, root_tokens, start, max_depth)
+  got = jax.jit(T.canonical_tree, static_argnames="vocab_size")(garbage, root_tokens, start, max_depth, vocab_size=50)
   want_tokens, want_parents, want_valid, want_depth, want_vis = _canonical_reference(
-      tokens, parents, valid, root_tokens, start, max_depth)
+      tokens, parents, valid, root_tokens, start, max_depth, 50)
   assert want_valid[:, 1:].any() and not want_valid.all()  # the case has both kinds of rows
+  assert want_valid[:, 0].all() and not want_valid[3, 1:].any()
   np.testing.assert_array_equal(got.valid, want_valid)
   np.testing.assert_array_equal(got.parents, want_parents)
   np.testing.assert_array_equal(got.tokens, want_tokens)

@@ -83,3 +83,13 @@ def test_unreadable_files_are_named(tmp_path, tensors):
   (tmp_path / "config.json").write_text(json.dumps(dict(CFG.to_hf(), torch_dtype="float32")))
   with pytest.raises(FileNotFoundError, match=f"checkpoint shard .*{shards[0].name} is missing"):
     loading.load_kimi(tmp_path)
+
+
+def test_a_deliberately_smaller_model_and_tied_heads_still_load(tmp_path, tensors):
+  """Overriding the structure (a few layers of a checkpoint for a smoke test) is a partial load on
+  purpose; a tied model's checkpoint may still ship lm_head.weight; INT4-named experts count too."""
+  write(tmp_path / "full", tensors, CFG.to_hf())
+  fewer = loading.load_kimi(tmp_path / "full", num_hidden_layers=CFG.num_hidden_layers - 1)
+  assert fewer.cfg.num_hidden_layers == CFG.num_hidden_layers - 1
+  write(tmp_path / "tied", tensors, dict(CFG.to_hf(), tie_word_embeddings=True))
+  assert loading.load_kimi(tmp_path / "tied").cfg.tie_word_embeddings

@@ -117,3 +117,8 @@ def test_an_out_of_range_port_is_refused(capsys):
     serve_cli.parse_args(["--port", "99999"])
   assert exit_info.value.code == 2
   assert "port must lie in [0, 65535], got 99999" in capsys.readouterr().err
+
+
+def test_a_context_past_the_models_positions_is_refused_by_its_flag():
+  with pytest.raises(ValueError, match="--max-context 5000 exceeds the model's max_position_embeddings 4096"):
+    serve_config.build_engine(ServeConfig(max_context=5000, dtype="float32"))

@@ -318,6 +318,7 @@ def test_edges_of_the_openai_surface(server):
   assert nope.status_code == 404 and nope.json()["error"]["message"] == "GET /v1/nope: Not Found"
   wrong = httpx.get(server.url + "/v1/completions")
   assert wrong.status_code == 405 and "Method Not Allowed" in wrong.json()["error"]["message"]
+  assert wrong.json()["error"]["type"] == "invalid_request_error"
   one = httpx.get(server.url + "/v1/models/kimi-demo").json()
   assert one["id"] == "kimi-demo" and one["object"] == "model"
   missing = httpx.get(server.url + "/v1/models/other")
