@@ -115,7 +115,11 @@ def load_from_argv(argv, prog: str) -> None:
   pass reads only the whole flag, so an abbreviation would reach the parser unloaded."""
   pre = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)  # "--policy" is not ours
   add_argument(pre)
-  known, _ = pre.parse_known_args(argv)
+  known, rest = pre.parse_known_args(argv)
+  for arg in rest:  # an abbreviation would otherwise surface as "invalid choice" for the policy it names
+    flag = arg.split("=", 1)[0]
+    if flag.startswith("--policy-m") and FLAG.startswith(flag):  # "--policy" and "--policy-option" are others
+      pre.error(f"unrecognized argument {flag}: the flag is {FLAG} (whole flags only)")
   for source in known.policy_module:
     try:
       load_policy_module(source)

@@ -99,7 +99,9 @@ def test_the_server_offers_module_policies_as_spec(tmp_path, capsys):
       (["--policy-module", str(missing), "--spec", "served_chain"],
        f"python -m ddtree_jax.serve: error: policy module '{missing}': no such file"),
       # An abbreviation would skip the pass that imports the modules: refused as a whole.
-      (["--policy-mod", str(first)], "unrecognized arguments: --policy-mod")):
+      (["--policy-mod", str(first)], "unrecognized argument --policy-mod: the flag is --policy-module"),
+      # ... also when the policy it names comes first and would be reported as an unknown choice.
+      (["--spec", "nowhere_chain", f"--policy-modul={first}"], "unrecognized argument --policy-modul:")):
     with pytest.raises(SystemExit) as exit_info:
       serve_cli.parse_args(argv)
     assert exit_info.value.code == 2
