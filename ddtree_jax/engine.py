@@ -361,8 +361,13 @@ class SpeculativeDecoder:
                                      top_p=self._rows(n, jnp.float32), seed=self._rows(n, jnp.uint32))
 
   def _build(self, key, fn, donate, *specs):
-    """Compiles ``fn`` for ``specs`` ahead of time (or keeps it uncompiled when eager)."""
-    self._aux[key] = fn if self.eager else jax.jit(fn, donate_argnums=donate).lower(*specs).compile()
+    """Compiles ``fn`` for ``specs`` ahead of time (or keeps it uncompiled when eager), float32
+    models at full matmul precision (``forward.matmul_precision``)."""
+    if self.eager:
+      self._aux[key] = fn
+      return
+    with fwd.matmul_precision(self.cfg):
+      self._aux[key] = jax.jit(fn, donate_argnums=donate).lower(*specs).compile()
 
   def _step_shapes(self, bucket_budgets) -> tuple[tuple[int, int], ...]:
     """The (bucket, budget) pairs to compile."""

@@ -27,16 +27,17 @@ def greedy_reference(model, prompts, max_new_tokens: int, max_len: int):
   batch = len(prompts)
   cache = cache_lib.init_cache(model.cfg, batch, max_len)
   slots = jnp.arange(batch, dtype=jnp.int32)
-  last, _, _, cache = fwd.prefill(model, prompts, np.arange(batch), cache, chunk_size=32)
   tokens, margins = [], []
-  logits = np.asarray(last)
-  for _ in range(max_new_tokens):
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    margins.append(top2[:, 1] - top2[:, 0])
-    nxt = np.argmax(logits, axis=-1).astype(np.int32)
-    tokens.append(nxt)
-    out, _, cache = _decode(model, jnp.asarray(nxt), slots, cache)
-    logits = np.asarray(out)
+  with fwd.matmul_precision(model.cfg):  # as the engine compiles its steps
+    last, _, _, cache = fwd.prefill(model, prompts, np.arange(batch), cache, chunk_size=32)
+    logits = np.asarray(last)
+    for _ in range(max_new_tokens):
+      top2 = np.sort(logits, axis=-1)[:, -2:]
+      margins.append(top2[:, 1] - top2[:, 0])
+      nxt = np.argmax(logits, axis=-1).astype(np.int32)
+      tokens.append(nxt)
+      out, _, cache = _decode(model, jnp.asarray(nxt), slots, cache)
+      logits = np.asarray(out)
   tokens = np.stack(tokens, axis=1)
   margins = np.stack(margins, axis=1)
   return [t.tolist() for t in tokens], [m for m in margins]

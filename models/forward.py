@@ -5,6 +5,7 @@ are checked when traced (so a bad call fails before any compute); slots are chec
 are concrete, and against a ``SlotPool`` (host mirror of committed lengths) when one is given.
 """
 
+import contextlib
 import functools
 from typing import Sequence
 
@@ -14,6 +15,13 @@ import numpy as np
 
 from models import cache as cache_lib
 from models.kimi import KimiModel, Window
+
+
+def matmul_precision(cfg):
+  """The context every compiled forward of a model runs under: full float32 products for a
+  float32 model (the GPU's default for float32 is TF32, whose rounding would undo the exactness
+  that float32 equality tests and lossless serving rely on); the backend's default otherwise."""
+  return jax.default_matmul_precision("highest") if cfg.dtype == "float32" else contextlib.nullcontext()
 
 
 def _check_window_args(model: KimiModel, tokens, positions, visibility, valid, slots, cache,

