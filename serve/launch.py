@@ -135,11 +135,20 @@ def serve_forever(config: ServeConfig) -> int:
 
   Returns the process's exit status: 0 after an interrupt, 1 when the warm-up failed (a model that
   does not load, a step that does not compile), so that a supervisor sees a failed start rather
-  than a server answering 503 forever."""
+  than a server answering 503 forever, and 3 (as uvicorn's own) when the port cannot be bound."""
   config.check_backend()
+  # The socket first: a port that is taken ends the process before the warm-up thread starts (a
+  # process leaving while that thread compiles can crash in the runtime's teardown).
+  sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((config.host, config.port))
+  except OSError as err:
+    sock.close()
+    log.error("cannot listen on %s:%d: %s", config.host, config.port, err)
+    return 3
   state = ServerState(api_key=config.api_key, max_body_bytes=config.max_body_bytes)
-  server = uvicorn.Server(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_level="info",
-                                         timeout_keep_alive=30))
+  server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="info", timeout_keep_alive=30))
   start_warm_up(state, config)
 
   def stop_on_failed_warm_up():
@@ -151,8 +160,9 @@ def serve_forever(config: ServeConfig) -> int:
 
   threading.Thread(target=stop_on_failed_warm_up, name="ddtree-warmup-watch", daemon=True).start()
   try:
-    server.run()
+    server.run(sockets=[sock])
   finally:
     if state.engine is not None:
       state.engine.loop.shutdown()
+    sock.close()
   return 1 if state.load_error else 0

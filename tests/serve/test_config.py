@@ -112,6 +112,18 @@ def test_the_server_exits_when_its_model_does_not_load(tmp_path):
   assert "warm-up failed" in proc.stderr and "no model directory or bundled model named" in proc.stderr
 
 
+def test_the_server_exits_with_3_when_its_port_is_taken():
+  import socket
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "ddtree_jax.serve", "--port", str(port), "--spec", "none",
+                           "--log-level", "warning"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 3, proc.stderr[-2000:]
+
+
 def test_an_out_of_range_port_is_refused(capsys):
   with pytest.raises(SystemExit) as exit_info:
     serve_cli.parse_args(["--port", "99999"])
