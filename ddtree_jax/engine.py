@@ -554,8 +554,11 @@ class SpeculativeDecoder:
       budget: tree budget for every step (default: the largest compiled one).
       budget_schedule: optional ``step_index -> budget`` (for example to switch budgets mid-run).
       temperature, top_k, top_p, seed: scalars or one value per prompt. A sample is a function of
-        (seed, position) only, so equal seeds give equal samples of equal prompts; ``seed=None``
-        (the default) draws a fresh seed per request, as the server does for a request without one.
+        (seed, position) only, so equal seeds give equal samples of equal prompts; a scalar seed
+        is every request's seed, so the rows share their noise (different prompts' samples are
+        then correlated: pass one seed per prompt for independent, reproducible rows);
+        ``seed=None`` (the default) draws a fresh seed per request, as the server does for a
+        request without one.
       stop_token_ids: ids that end a request (default: the model's EOS); the stop token is kept.
     """
     prompts, limits = self._check_prompts(prompts, max_new_tokens)

@@ -7,7 +7,9 @@ on the request's seed and the absolute position of the drawn token. ``accept`` t
 draws down the tree. Every emitted token is therefore the target's own draw given its real prefix,
 with the key plain seeded decoding would have used: at T = 0 the output is token-identical to
 greedy decoding, and at T > 0 a seeded request emits exactly what seeded autoregressive sampling
-emits, whatever the batch it shares or the budget of the step.
+emits, whatever the batch it shares or the budget of the step. (Given the same logits: in float32
+they are; in bf16 the target's logits themselves round differently with the window's shape, the
+README's bf16 open problem.)
 
 Shapes: ``B`` batch rows, ``Q = budget + 1`` tree nodes, ``V`` vocabulary, ``S`` stop tokens.
 """
@@ -118,14 +120,18 @@ def process_logits(logits, sampling):
     logits: [B, Q, V], any float dtype (computed in float32).
     sampling: SamplingParams with [B] fields.
   Returns:
-    float32[B, Q, V]: ``logits / T`` with ``-inf`` outside the support. Greedy rows (T = 0) are
-    returned unscaled and untruncated: their argmax is always inside any support.
+    float32[B, Q, V]: ``(logits - row max) / T`` with ``-inf`` outside the support (the max
+    first, so that a tiny T sends every other token to -inf rather than the top one to +inf or
+    NaN). Greedy rows (T = 0) are returned unscaled and untruncated: their argmax is always
+    inside any support.
   """
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
   temp = sampling.temperature[:, None, None]
   sampled = temp > 0
-  z = jnp.where(sampled, logits / jnp.where(sampled, temp, 1.0), logits)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # an all -inf row stays -inf, not NaN
+  z = jnp.where(sampled, (logits - top) / jnp.where(sampled, temp, 1.0), logits)
 
   top_k = sampling.top_k[:, None, None]
   top_p = sampling.top_p[:, None, None]
@@ -150,6 +156,18 @@ def process_logits(logits, sampling):
   return jax.lax.cond(jnp.any(k_on | p_on), truncate, lambda z: z, z)
 
 
+def gumbel_noise(key, vocab: int):
+  """float32[vocab] Gumbel(0, 1) noise for one draw.
+
+  ``mode="high"`` (two 32-bit words a value): jax's default mode maps one 23-bit uniform, which
+  caps the noise at 15.94, so a token more than ~16 nats below the top one could almost never be
+  drawn: with Kimi's 163840 tokens and every other token 16 nats below the top one, it drew the
+  tail 1.0% of the time against the softmax's 1.8%. "high" reaches ~32, where the mass cut off is
+  below 1e-8.
+  """
+  return jax.random.gumbel(key, (vocab,), jnp.float32, mode="high")
+
+
 def draw_tokens(logits, positions, sampling):
   """The target's own next token at every node: THE one place a token is chosen.
 
@@ -161,9 +179,10 @@ def draw_tokens(logits, positions, sampling):
   How a vocabulary-sharded head computes the same tokens, shard by shard:
     * argmax: each shard reduces its slice to (max, lowest local argmax); one cross-shard reduction
       picks the largest value, lowest global id on ties. Nothing V-sized moves.
-    * noise: ``g`` is a fixed function of (key, V); with ``jax_threefry_partitionable`` (default)
-      generating the [V] draw sharded over V gives every shard exactly its slice of the unsharded
-      bits, so sharded and unsharded draws agree.
+    * noise: ``g`` is a fixed function of (key, V) (``gumbel_noise``: bits [2, V]); with
+      ``jax_threefry_partitionable`` (default) generating the draw sharded over V gives every
+      shard exactly its slice of the unsharded bits, so sharded and unsharded draws agree.
+    * the row max that ``process_logits`` subtracts is a pmax.
     * top-k: each shard takes its local top-k values (k <= the largest k served), the S * k values
       are all-gathered and the global k-th largest is the row's threshold.
     * top-p: the global max and normaliser are a pmax and a psum of ``exp(z - max)``; the nucleus
@@ -186,8 +205,7 @@ def draw_tokens(logits, positions, sampling):
   def sample(_):
     z = process_logits(logits, sampling)
     keys = draw_keys(sampling.seed, positions)
-    gumbel = lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
-    noise = jax.vmap(jax.vmap(gumbel))(keys)
+    noise = jax.vmap(jax.vmap(lambda key: gumbel_noise(key, logits.shape[-1])))(keys)
     drawn = jnp.argmax(z + noise, axis=-1).astype(jnp.int32)
     return jnp.where(sampling.temperature[:, None] > 0, drawn, greedy)
 

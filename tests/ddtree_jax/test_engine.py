@@ -7,10 +7,14 @@ invariances, budget switching, batching, compilation behaviour and bad input.
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddtree_jax import drafters, engine
+from ddtree_jax import verify as verify_lib
+from models import cache as cache_lib
+from models import forward as fwd
 from models import kimi
 from models.config import KimiConfig
 from ddtree_jax.near_tie import check_near_ties, greedy_reference
@@ -157,11 +161,34 @@ def test_request_finishing_mid_batch_leaves_others_unchanged(model, prompts, ref
   assert batched.tokens[1][-1] == stop or len(batched.tokens[1]) == 5
 
 
+def seeded_autoregressive(model, prompts, max_new, sampling):
+  """Seeded sampling of the target alone, without the engine: prefill, then one token a step, the
+  token at absolute position P drawn from the logits of the node at P - 1 with that node's key."""
+  batch = len(prompts)
+  cache = cache_lib.init_cache(model.cfg, batch, MAX_LEN)
+  slots = jnp.arange(batch, dtype=jnp.int32)
+  node_positions = np.array([len(p) for p in prompts]) - 1
+  decode = jax.jit(fwd.decode_step)
+  tokens = []
+  with fwd.matmul_precision(model.cfg):
+    logits, _, _, cache = fwd.prefill(model, prompts, np.arange(batch), cache, chunk_size=32)
+    for _ in range(max_new):
+      drawn = verify_lib.draw_tokens(logits[:, None, :], jnp.asarray(node_positions)[:, None], sampling)[:, 0]
+      tokens.append(np.asarray(drawn))
+      node_positions = node_positions + 1
+      logits, _, cache = decode(model, drawn, slots, cache)
+  return np.stack(tokens, axis=1).tolist()
+
+
 def test_seeded_sampling_is_batch_and_budget_invariant(model, prompts, reference):
   dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (0, 8), 3)
   kwargs = dict(temperature=[0.8, 1.0, 0.0], top_p=[0.95, 1.0, 1.0], top_k=[0, 20, 0], seed=[11, 12, 13],
                 stop_token_ids=[])
   batched = dec.generate(prompts, MAX_NEW, budget=8, **kwargs)
+  # The engine's first token and tree positions key every draw as plain seeded decoding does
+  # (a key shared by two positions would still give budget 8 = budget 0 below).
+  sampling = verify_lib.SamplingParams.make(3, **{k: v for k, v in kwargs.items() if k != "stop_token_ids"})
+  assert batched.tokens == seeded_autoregressive(model, prompts, MAX_NEW, sampling)
   autoregressive = dec.generate(prompts, MAX_NEW, budget=0, **kwargs)
   alone = dec.generate([prompts[0]], MAX_NEW, budget=8, temperature=0.8, top_p=0.95, seed=11, stop_token_ids=[])
   assert alone.tokens[0] == batched.tokens[0]
