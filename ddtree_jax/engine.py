@@ -340,7 +340,12 @@ class SpeculativeDecoder:
     # Candidates per position: a budget-N policy may pick up to rank N - 1 at one position.
     self.top_k = max(1, min(max(self.budgets), self.cfg.vocab_size))
     self.pool = cache_lib.SlotPool(self.num_slots, max_len)
-    self.target_cache = cache_lib.init_cache(self.cfg, self.num_slots, max_len)
+    # The target's pool may hold more columns than max_len (never used): the Pallas kernel's length.
+    self.target_pool_len = max_len
+    if self.cfg.attention_impl == "pallas":
+      from pallas_kernels import tree_attention  # the Mosaic GPU kernel; only this path needs it
+      self.target_pool_len = tree_attention.padded_cache_len(max_len)
+    self.target_cache = cache_lib.init_cache(self.cfg, self.num_slots, self.target_pool_len)
     self.drafter_state = drafter.init_state(self.num_slots, max_len)
     self.eager = eager
     self._params_leaves, self._params_def = jax.tree.flatten((target, drafter_params))
@@ -415,7 +420,7 @@ class SpeculativeDecoder:
           self._build(("regather", bucket, other), regather_rows, (), self._decode_spec(bucket),
                       self._rows(other, jnp.int32), self._rows(other, jnp.bool_))
     self._build("reset_lengths", cache_lib.reset_slots, (0,), self.target_cache, one(jnp.int32))
-    self._build("fresh_caches", lambda: (cache_lib.init_cache(self.cfg, self.num_slots, self.max_len),
+    self._build("fresh_caches", lambda: (cache_lib.init_cache(self.cfg, self.num_slots, self.target_pool_len),
                                          self.drafter.init_state(self.num_slots, self.max_len)), ())
     self.compile_seconds += time.perf_counter() - t0
 

@@ -20,7 +20,7 @@ import jax
 from ddtree_jax import drafters, engine, policies, policy_modules
 from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, loading
-from models.config import KERNEL_IMPLS, kernel_backend_error
+from models.config import KERNEL_IMPLS, kernel_backend_error, kernel_dtype_error
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that stops after "\n" leaves the model at a token boundary it never saw in training.
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
                    ("--seed", 0 <= args.seed < 2**32)):
     if not ok:
       parser.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
-  error = kernel_backend_error(jax.default_backend(), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
+  error = (kernel_backend_error(jax.default_backend(), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
+           or kernel_dtype_error(args.dtype, attention_impl=args.attention_impl, moe_impl=args.moe_impl))
   if error:
     parser.error(error)
   try:

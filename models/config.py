@@ -20,6 +20,17 @@ def kernel_backend_error(backend: str, **impls: str) -> str | None:
   return None
 
 
+def kernel_dtype_error(dtype: str, **impls: str) -> str | None:
+  """Why the kernels ``impls`` cannot serve a model computing in ``dtype``, or None. Both Pallas
+  kernels multiply bf16 operands (the attention casts its queries and pool, the experts take
+  bf16 activations), so a float32 model would silently lose the exactness float32 promises."""
+  for name, impl in impls.items():
+    if impl == "pallas" and dtype != "bfloat16":
+      return (f"{name}='pallas' computes in bfloat16, so a {dtype} model would not get {dtype} results; "
+              f"use dtype bfloat16 or {name}='xla'")
+  return None
+
+
 class ConfigError(ValueError):
   """A configuration value is missing, inconsistent or unsupported."""
 
@@ -76,7 +87,10 @@ class KimiConfig:
   # softmax always run in float32.
   dtype: str = "bfloat16"
   param_dtype: str = "bfloat16"
-  # Implementations of the two hot pieces (the Pallas kernels replace them on the GPU).
+  # Implementations of the two hot pieces (the Pallas kernels replace them on the GPU). Both
+  # kernels multiply bf16 operands: "pallas" experts need dtype bfloat16; "pallas" attention under
+  # a float32 model computes the attention in bf16 (allowed for kernel tests; the command lines
+  # refuse it, ``kernel_dtype_error``).
   attention_impl: str = "xla"
   moe_impl: str = "xla"
   # Routed experts stored INT4 group-32 (K2.6 as released, ``models/int4.py``) instead of
@@ -174,6 +188,9 @@ class KimiConfig:
     for name in ("attention_impl", "moe_impl"):
       if getattr(self, name) not in KERNEL_IMPLS:
         raise ConfigError(f"KimiConfig.{name}={getattr(self, name)!r}: expected 'xla' or 'pallas'")
+    error = kernel_dtype_error(self.dtype, moe_impl=self.moe_impl)
+    if error:  # the kernel would refuse it at the first trace
+      raise ConfigError(f"KimiConfig.{error}")
     if self.experts_int4 and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
       raise ConfigError(
           f"KimiConfig.experts_int4: INT4 groups of 32 need hidden_size ({self.hidden_size}) and "

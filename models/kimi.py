@@ -371,7 +371,8 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla", pe
 
   Args:
     tokens: [M, H]; expert_ids: int32[M, K], E for rows routed nowhere (padded tokens; under
-      expert parallelism, experts held elsewhere); weights: float32[M, K].
+      expert parallelism, experts held elsewhere; any id outside [0, E), negative ones too, is
+      taken as E); weights: float32[M, K].
     experts: ``int4.Bf16Experts`` [E, in, out] or ``int4.Int4Experts``; E is their first axis.
     moe_impl: "xla" (``routed_experts``, ragged_dot; INT4 dequantised per call) or "pallas"
       (``routed_experts_pallas``).
@@ -385,6 +386,10 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla", pe
     raise ValueError(f"moe_impl={moe_impl!r}: expected 'xla' or 'pallas'")
   m, k = expert_ids.shape
   e = jax.tree.leaves(experts.gate)[0].shape[0]
+  # bincount would fold a negative id into expert 0, and the per-pair kernel path skips it.
+  expert_ids = jnp.where((expert_ids < 0) | (expert_ids >= e), e, expert_ids)
+  if m * k == 0:  # nothing routed (both impls alike; the kernel takes no empty call)
+    return jnp.zeros(tokens.shape, jnp.float32), jnp.zeros((e,), jnp.int32)
   if moe_impl == "pallas":
     from pallas_kernels import moe  # the Mosaic GPU kernel; only this path needs it
 

@@ -190,6 +190,11 @@ def _unaccounted_tensors(names, prefix: str, hf_config: dict, cfg: KimiConfig) -
   return unknown
 
 
+def stored_dtype(directory) -> str:
+  """The dtype a checkpoint directory's weights are stored in (what ``load_kimi`` uses by default)."""
+  return _stored_dtype(read_json(resolve_model_dir(directory) / "config.json"))
+
+
 def _stored_dtype(hf_config) -> str:
   text = hf_config.get("text_config", hf_config)
   dtype = str(text.get("torch_dtype", hf_config.get("torch_dtype", "bfloat16")))

@@ -1123,8 +1123,8 @@ def _check_inputs(x_sorted, group_sizes, experts):
     raise TypeError(f"INT4 experts must be in the kernel's layout (KernelInt4Matrix), got "
                     f"{type(experts.gate).__name__}: convert once with models.int4.kernel_experts")
   else:
-    if not isinstance(experts, (tuple, list)) or len(experts) != 3:
-      raise TypeError("experts must be Bf16Experts(gate, up, down) or Int4Experts")
+    if not isinstance(experts, Bf16Experts):
+      raise TypeError(f"experts must be Bf16Experts(gate, up, down) or Int4Experts, got {type(experts).__name__}")
     for name, t in zip(("gate", "up", "down"), experts):
       if t.ndim != 3 or t.dtype != jnp.bfloat16:
         raise TypeError(f"bf16 expert weight {name} must be bfloat16 [E, in, out], got {t.dtype}{list(t.shape)}")
@@ -1157,6 +1157,15 @@ def default_int4_dequant(num_experts: int, expected_rows: int, inter: int) -> st
   live programs per SM."""
   programs = expected_touched(num_experts, expected_rows) * pl.cdiv(inter, TILE_N)
   return "registers_serial" if programs >= SERIAL_PROGRAMS_PER_SM * num_sms() else "registers"
+
+
+def _interpret_params(interpret):
+  """None (the GPU) or interpret-mode params; True (the usual Pallas idiom) takes their defaults."""
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
+    raise TypeError(f"interpret must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
+  return interpret
 
 
 def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expected_rows, interpret):
@@ -1262,6 +1271,7 @@ def default_work_list_impl(num_experts: int) -> str:
 
 def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
                  count_tile_loads, sorted_expert_ids=None, per_row=None, item_programs=None, work_list_impl=None):
+  interpret = _interpret_params(interpret)
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows)
@@ -1401,6 +1411,7 @@ def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None =
 
 def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
                          interpret, count_tile_loads, item_programs=None):
+  interpret = _interpret_params(interpret)
   if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise ValueError(f"expert_ids must be an integer array [M, K], got {expert_ids.dtype}{list(expert_ids.shape)}")
   if tokens.ndim != 2 or tokens.shape[0] != expert_ids.shape[0]:

@@ -4,8 +4,18 @@ A query window of ``Q`` rows (a draft tree, a prefill chunk, or one decode token
   * the committed prefix ``[0, prefix_len)`` of its request's cache slot, fully visible to real rows;
   * the window itself, written to ``[prefix_len, prefix_len + Q)`` before the call, through
     ``ddtree_jax.tree.window_mask(visibility, valid)`` (the one owner of the mask convention).
-A padded row sees only itself (never the prefix), so no row's softmax is over nothing.
+A padded row sees only itself (never the prefix). A padded row whose own column lies past the
+pool (a last prefill chunk that runs past ``max_len``, whose write is dropped) sees nothing: its
+output is 0, as the kernels store it, not the NaN of a softmax over nothing.
 """
+
+
+def _masked_softmax(scores, mask):
+  """Softmax over the last axis restricted to ``mask``; 0 for rows that see no column (NaN-free
+  forward and backward)."""
+  sees = jnp.any(mask, axis=-1, keepdims=True)
+  probs = jax.nn.softmax(jnp.where(mask, scores, jnp.where(sees, -jnp.inf, 0.0)), axis=-1)
+  return jnp.where(sees, probs, 0.0)
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +63,7 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
   scores = (jnp.einsum('bqnr,btr->bnqt', q_latent.astype(jnp.float32), kv) +
             jnp.einsum('bqnp,btp->bnqt', q_rope.astype(jnp.float32), kr)) * scale
   mask = cache_mask(prefix_len, visibility, valid, c_kv.shape[1])[:, None]  # [B, 1, Q, T]
-  probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+  probs = _masked_softmax(scores, mask)
   return jnp.einsum('bnqt,btr->bqnr', probs, kv)
 
 
@@ -75,6 +85,6 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale):
   qg = q.astype(jnp.float32).reshape(q.shape[:2] + (num_groups, rep, q.shape[-1]))
   scores = jnp.einsum('bqgrd,btgd->bgrqt', qg, kb) * scale
   mask = cache_mask(prefix_len, visibility, valid, k.shape[1])[:, None, None]
-  probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+  probs = _masked_softmax(scores, mask)
   out = jnp.einsum('bgrqt,btgd->bqgrd', probs, vb)
   return out.reshape(q.shape[:3] + (v.shape[-1],))

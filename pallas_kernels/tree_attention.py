@@ -142,6 +142,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_jax.tree import window_mask_bits
@@ -1573,7 +1574,7 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
   if cache_len < 1:
     raise ValueError(f"{name}: cache_len must be positive, got {cache_len}")
-  padded_len = _padded_cache_len(cache_len)
+  padded_len = padded_cache_len(cache_len)
   # The row tiles do not depend on the partial dtype; "auto" is planned as for bf16 queries so
   # that options which need bf16 partials (epilogue="smem") are accepted as the call accepts them.
   pl_ = plan(q_len=q_len, heads_per_group=heads_per_group, num_work=batch * num_groups,
@@ -1857,15 +1858,17 @@ def _pad_last(x, multiple: int):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _padded_cache_len(cache_len: int) -> int:
-  """TMA tiles need T >= one tile and tile-aligned clamped starts (T % 8 == 0)."""
+def padded_cache_len(cache_len: int) -> int:
+  """The pool length the kernel reads: TMA tiles need T >= one tile and tile-aligned clamped
+  starts (T % 8 == 0). A pool of another length is padded to it in every call (a copy of the
+  whole pool per layer), so callers that own the pool allocate this many columns."""
   return max(_round_up(cache_len, 8), BLOCK_KV)
 
 
 def _pad_cache_len(pools):
-  """The pools padded to ``_padded_cache_len`` columns (no copy where they have them)."""
+  """The pools padded to ``padded_cache_len`` columns (no copy where they have them)."""
   cache_len = pools[0].shape[1]
-  target = _padded_cache_len(cache_len)
+  target = padded_cache_len(cache_len)
   if target == cache_len:
     return pools
   return [jnp.pad(p, [(0, 0), (0, target - cache_len)] + [(0, 0)] * (p.ndim - 2)) for p in pools]
@@ -1882,6 +1885,26 @@ def _check_window(name, slots, prefix_len, visibility, valid, batch, q_len):
       raise TypeError(f"{name}: {arg} must be bool, got {x.dtype}")
     if dtypes == "integer" and not jnp.issubdtype(x.dtype, jnp.integer):
       raise TypeError(f"{name}: {arg} must be an integer array, got {x.dtype}")
+
+
+def _check_call(name, *, widths: dict, scale, num_splits, interpret):
+  """Checks what the kernel cannot take and returns ``interpret`` as interpret-mode params:
+  zero widths or pool sizes, a traced or non-finite ``scale`` (static: it is compiled in), a
+  ``num_splits`` below 1, and ``interpret=True`` (the usual Pallas idiom; Mosaic GPU needs its
+  ``InterpretGPUParams``, whose defaults it then takes)."""
+  for arg, size in widths.items():
+    if size < 1:
+      raise ValueError(f"{name}: {arg} is {size}; the kernel needs at least one")
+  if isinstance(scale, (bool, jax.Array)) or not isinstance(scale, (int, float, np.floating)) or not np.isfinite(scale):
+    raise TypeError(f"{name}: scale must be a finite Python float (it is compiled into the kernel), got {scale!r}")
+  if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
+                                 or num_splits < 1):
+    raise ValueError(f"{name}: num_splits={num_splits!r} must be an int >= 1 (or None: from the SM count)")
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
+    raise TypeError(f"{name}: interpret must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
+  return interpret
 
 
 def _check_float(name, **arrays):
@@ -1902,7 +1925,11 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     c_kv: [S, T, R] latent cache pool; k_pe: [S, T, P] roped keys.
     slots, prefix_len: int32[B]; visibility: bool[B, Q, Q]; valid: bool[B, Q].
     scale: softmax scale.
-    interpret: None on the GPU; ``plgpu.InterpretGPUParams(...)`` runs the kernel on the CPU.
+    interpret: None on the GPU; ``plgpu.InterpretGPUParams(...)`` (or True: its defaults) runs the
+      kernel on the CPU.
+  Preconditions (traced values, not checked): 0 <= slots < S; for real rows prefix_len >= 0 and
+  prefix_len + Q <= T. A padded row whose own column lies past the pool sees nothing and is 0.
+  An empty batch, window or head axis gives an empty result.
     num_splits: force the KV split count (tests, tuning); default from the SM count.
     partial_dtype: dtype of the per-split partial outputs: "float32", "bfloat16" or "auto"
       (default: bf16 where the queries are bf16 and the kernel stages the outputs in shared
@@ -1916,6 +1943,7 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     float32 [B, Q, N, R].
   """
   name = "mla_tree_attention"
+  slots, prefix_len, visibility, valid = (jnp.asarray(x) for x in (slots, prefix_len, visibility, valid))
   if q_latent.ndim != 4 or q_rope.ndim != 4 or c_kv.ndim != 3 or k_pe.ndim != 3:
     raise ValueError(
         f"{name}: expected q_latent [B,Q,N,R], q_rope [B,Q,N,P], c_kv [S,T,R], k_pe [S,T,P]; got "
@@ -1929,6 +1957,10 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
                      f"(R={latent}, P={rope})")
   _check_float(name, q_latent=q_latent, q_rope=q_rope, c_kv=c_kv, k_pe=k_pe)
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
+  interpret = _check_call(name, widths=dict(R=latent, P=rope, S=c_kv.shape[0], T=c_kv.shape[1]), scale=scale,
+                          num_splits=num_splits, interpret=interpret)
+  if not batch * q_len * heads:
+    return jnp.zeros((batch, q_len, heads, latent), jnp.float32)
   # Value width is a wgmma M dimension (multiple of 64); key widths are contraction dims.
   c_kv_p, k_pe_p = _pad_last(_as_bf16(c_kv), 64), _pad_last(_as_bf16(k_pe), 32)
   c_kv_p, k_pe_p = _pad_cache_len([c_kv_p, k_pe_p])
@@ -1960,6 +1992,7 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
     float32 [B, Q, N, D].
   """
   name = "mha_tree_attention"
+  slots, prefix_len, visibility, valid = (jnp.asarray(x) for x in (slots, prefix_len, visibility, valid))
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"{name}: expected q [B,Q,N,D], k and v [S,T,G,D]; got {q.shape}, "
                      f"{k.shape}, {v.shape}")
@@ -1967,10 +2000,16 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   if k.shape != v.shape or k.shape[-1] != dim:
     raise ValueError(f"{name}: k {k.shape} and v {v.shape} must match and end in D={dim}")
   groups = k.shape[2]
+  if groups < 1:
+    raise ValueError(f"{name}: k and v have no kv heads (G = 0)")
   if heads % groups:
     raise ValueError(f"{name}: query heads {heads} not a multiple of kv heads {groups}")
   _check_float(name, q=q, k=k, v=v)
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
+  interpret = _check_call(name, widths=dict(D=dim, G=groups, S=k.shape[0], T=k.shape[1]), scale=scale,
+                          num_splits=num_splits, interpret=interpret)
+  if not batch * q_len * heads:
+    return jnp.zeros((batch, q_len, heads, dim), jnp.float32)
   rep = heads // groups
   k_p, v_p = _pad_last(_as_bf16(k), 64), _pad_last(_as_bf16(v), 64)
   k_p, v_p = _pad_cache_len([k_p, v_p])

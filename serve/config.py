@@ -8,7 +8,7 @@ import jax
 
 from ddtree_jax import drafters, engine, policies
 from models import dflash, loading
-from models.config import KERNEL_IMPLS, kernel_backend_error
+from models.config import KERNEL_IMPLS, kernel_backend_error, kernel_dtype_error
 from serve.engine_loop import BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env
 from serve.metrics import Metrics
 from serve.text import TextCodec
@@ -80,6 +80,10 @@ class ServeConfig:
     for name in ("attention_impl", "moe_impl"):
       if getattr(self, name) not in KERNEL_IMPLS:
         raise ValueError(f"{name} {getattr(self, name)!r}: expected one of {KERNEL_IMPLS}")
+    if self.dtype != "auto":
+      error = kernel_dtype_error(self.dtype, attention_impl=self.attention_impl, moe_impl=self.moe_impl)
+      if error:
+        raise ValueError(error)
 
   def check_backend(self, backend: str | None = None) -> None:
     """Raises ValueError, naming the setting, where a ``pallas`` kernel is asked for on a backend
@@ -117,6 +121,12 @@ def build_engine(config: ServeConfig) -> Engine:
   config.check_backend()
   model_dir = loading.resolve_model_dir(config.model)
   dtype = {} if config.dtype == "auto" else {"dtype": config.dtype, "param_dtype": config.dtype}
+  error = None
+  if config.dtype == "auto":  # the checkpoint's dtype, known once its config is read
+    stored = loading.stored_dtype(model_dir)
+    error = kernel_dtype_error(stored, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
+  if error:
+    raise ValueError(f"{error} (the checkpoint is stored in {stored}: pass --dtype bfloat16)")
   target = loading.load_kimi(model_dir, **dtype, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
   if config.max_context > target.cfg.max_position_embeddings:
     raise ValueError(f"--max-context {config.max_context} exceeds the model's max_position_embeddings "

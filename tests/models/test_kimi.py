@@ -110,6 +110,18 @@ def test_prefill_equals_token_by_token_decoding_and_any_chunk_size(model):
     np.testing.assert_allclose(logits[0, :37], seq, atol=1e-4, rtol=0)
 
 
+def test_prefill_chunk_past_the_pool_keeps_every_row_finite(model):
+  # A 66-token prompt in chunks of 64 in a 70-column pool: the second chunk's window runs past the
+  # pool (its write is dropped). Its padded rows past the pool see nothing; their logits and
+  # features reach the drafter, which must be able to ignore them, so they must be finite.
+  prompt = np.random.default_rng(3).integers(0, CFG.vocab_size, 66)
+  last, logits, features, _ = fwd.prefill(model, [prompt], [0], cache_lib.init_cache(CFG, 1, 70), chunk_size=64,
+                                          all_logits=True, feature_layers=(0,))
+  assert np.isfinite(np.asarray(logits)).all() and np.isfinite(np.asarray(features)).all()
+  seq = sequential_logits(model, prompt)
+  np.testing.assert_allclose(np.asarray(logits)[0, :66], seq, atol=1e-4, rtol=0)
+
+
 def test_prefill_batch_of_different_lengths_and_slots(model):
   rng = np.random.default_rng(2)
   prompts = [rng.integers(0, CFG.vocab_size, n) for n in (3, 29, 17)]
@@ -287,6 +299,7 @@ def test_bad_inputs_raise_before_compute(model):
     (dict(hidden_size=0), "hidden_size must be a positive int"),
     (dict(rope_factor=0.5), "rope_factor"),
     (dict(attention_impl="cuda"), "attention_impl"),
+    (dict(moe_impl="pallas"), "moe_impl='pallas' computes in bfloat16, so a float32 model"),
     (dict(n_group=8, topk_group=4), "group-limited routing"),
     (dict(first_k_dense_replace=4), "first_k_dense_replace=4"),
     (dict(eos_token_id=999), "eos_token_id=999 outside"),
@@ -347,6 +360,7 @@ def test_routed_block_matches_a_float64_loop_and_zeroes_rows_routed_nowhere():
   tokens = rng.standard_normal((m, h)).astype(np.float32)
   ids = np.stack([rng.permutation(e + 1)[:k] for _ in range(m)]).astype(np.int32)  # E appears in some rows
   ids[2] = e  # token 2: routed nowhere
+  ids[4, 0] = -1  # any id outside [0, E) is routed nowhere too (bincount folded -1 into expert 0)
   weights = rng.random((m, k)).astype(np.float32)
   gate, up, down = (rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((e, h, i), (e, h, i), (e, i, h)))
   out, sizes = kimi.routed_block(jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(weights),
@@ -355,12 +369,12 @@ def test_routed_block_matches_a_float64_loop_and_zeroes_rows_routed_nowhere():
   for t in range(m):
     for j in range(k):
       ex = ids[t, j]
-      if ex < e:
+      if 0 <= ex < e:
         g, u = tokens[t] @ gate[ex].astype(np.float64), tokens[t] @ up[ex].astype(np.float64)
         want[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * u) @ down[ex])
   np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
   assert not np.asarray(out)[2].any()
-  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(ids.reshape(-1), minlength=e + 1)[:e])
+  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(np.where(ids < 0, e, ids).reshape(-1), minlength=e + 1)[:e])
   with pytest.raises(ValueError, match="moe_impl='triton'"):
     kimi.routed_block(jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(weights),
                       int4.Bf16Experts(*map(jnp.asarray, (gate, up, down))), "triton")

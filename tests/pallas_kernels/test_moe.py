@@ -984,6 +984,31 @@ def test_bad_inputs_raise_clear_errors():
     moe.KernelTiles(moe.BF16_TILES.gate_up, moe.BF16_TILES.down, grid_order="tiles_first")
   with pytest.raises(ValueError, match="weight_scale"):
     moe.int4_from_compressed_tensors(np.zeros((4, 8), np.int32), np.zeros((4, 3), ml_dtypes.bfloat16))
+  with pytest.raises(TypeError, match="experts must be Bf16Experts.*got tuple"):
+    moe.moe_experts(x, sizes, tuple(experts), interpret=INTERPRET)
+  with pytest.raises(TypeError, match="interpret must be None"):
+    moe.moe_experts(x, sizes, experts, interpret="cpu")
+
+
+def test_interpret_true_and_empty_routed_blocks():
+  """``interpret=True`` (the usual Pallas idiom) runs with the interpreter's defaults; an empty
+  batch and negative ids route nowhere alike on both impls."""
+  experts = random_weights(0)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((8, H)), jnp.bfloat16)
+  sizes = jnp.array([2, 0, 6, 0, 0, 0], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(moe.moe_experts(x, sizes, experts, interpret=True)),
+                                np.asarray(moe.moe_experts(x, sizes, experts, interpret=INTERPRET)))
+  ids = jnp.asarray([[-1, 2], [3, 7]], jnp.int32)  # -1 and 7 (>= E = 6): routed nowhere
+  weights = jnp.ones((2, 2), jnp.float32)
+  with plgpu.force_gpu_interpret_mode(INTERPRET):
+    for impl in ("xla", "pallas"):
+      out, sizes = kimi.routed_block(jnp.zeros((0, H), jnp.bfloat16), jnp.zeros((0, 2), jnp.int32),
+                                     jnp.zeros((0, 2)), experts, impl)
+      assert out.shape == (0, H) and not np.asarray(sizes).any()
+    routed = {impl: kimi.routed_block(x[:2], ids, weights, experts, impl) for impl in ("xla", "pallas")}
+  for impl, (out, sizes) in routed.items():
+    np.testing.assert_array_equal(np.asarray(sizes), [0, 0, 1, 1, 0, 0], err_msg=impl)
+  np.testing.assert_allclose(np.asarray(routed["pallas"][0]), np.asarray(routed["xla"][0]), atol=2e-2, rtol=0)
 
 
 def test_model_pallas_branch_off_gpu_raises_a_clear_error():
@@ -1017,8 +1042,9 @@ def test_model_pallas_branch_matches_xla_in_interpret_mode(experts_int4, batch, 
   np.testing.assert_array_equal(np.asarray(got.expert_load), np.asarray(want.expert_load))
   logits, ref = np.asarray(got.logits)[np.asarray(valid)], np.asarray(want.logits)[np.asarray(valid)]
   assert np.isfinite(logits).all()
-  # Both paths round the expert outputs to bf16; the logits differ by that rounding only.
-  assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+  # Both paths round the expert outputs to bf16; the logits differ by that rounding only (0.4-0.6%
+  # of the largest logit here; the kernel's output scaled by 0.9 moves them by 4.9-5.8%).
+  assert np.abs(logits - ref).max() < 0.015 * np.abs(ref).max()
   assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
 
 

@@ -17,6 +17,9 @@ def numpy_rows(q_lat, q_rope, c_kv, k_pe, slots, prefix_len, visibility, valid, 
         cols = list(range(p)) + [p + j for j in range(q) if visibility[i, row, j] and valid[i, j]]
       else:
         cols = [p + row]
+      cols = [c for c in cols if c < c_kv.shape[1]]  # a window past the pool: those columns are dropped
+      if not cols:
+        continue  # a row that sees nothing: 0
       kv, kr = c_kv[s, cols].astype(np.float64), k_pe[s, cols].astype(np.float64)
       for h in range(n):
         logits = (kv @ q_lat[i, row, h] + kr @ q_rope[i, row, h]) * scale
@@ -44,6 +47,25 @@ def test_mla_reference_matches_row_by_row_numpy():
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
 
 
+def test_window_past_the_pool_gives_zero_rows_not_nan():
+  """A last prefill chunk may run past the pool (its write is dropped): padded rows whose own
+  column lies past it see nothing and must be 0, finite like the kernels' (they were NaN)."""
+  rng = np.random.default_rng(2)
+  b, q, n, r, p, t = 2, 6, 2, 16, 4, 24
+  q_lat, q_rope = rng.standard_normal((b, q, n, r)), rng.standard_normal((b, q, n, p))
+  c_kv, k_pe = rng.standard_normal((3, t, r)), rng.standard_normal((3, t, p))
+  slots, prefix_len = np.array([2, 0]), np.array([21, 5])  # request 0's window: columns 21..26
+  visibility = np.tril(np.ones((b, q, q), bool))
+  valid = np.array([[True, True, True, False, False, False], [True] * q])
+  arrays = [np.asarray(x, np.float32) for x in (q_lat, q_rope, c_kv, k_pe)]
+  got = np.asarray(reference.mla_tree_attention(*map(jnp.asarray, arrays), jnp.asarray(slots),
+                                                jnp.asarray(prefix_len), jnp.asarray(visibility),
+                                                jnp.asarray(valid), scale=0.3))
+  want = numpy_rows(*arrays, slots, prefix_len, visibility, valid, 0.3)
+  assert np.isfinite(got).all() and (got[0, 3:] == 0).all()
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
 def test_mha_reference_groups_heads_like_repeated_kv():
   rng = np.random.default_rng(1)
   b, q, n, g, d, t = 2, 5, 4, 2, 8, 20
@@ -62,3 +84,15 @@ def test_mha_reference_groups_heads_like_repeated_kv():
   for i, row in zip(*np.nonzero(~valid)):
     col = int(args[1][i]) + row
     np.testing.assert_allclose(np.asarray(grouped)[i, row], np.repeat(v[int(args[0][i]), col], rep, axis=0), atol=1e-6)
+
+
+def test_race_states_of_every_kernel_are_checked():
+  """conftest records every interpreter race-detection state a test creates, not only the last."""
+  from jax._src.pallas.mosaic_gpu.interpret import race_detection_state
+  from tests.pallas_kernels import conftest
+  first = race_detection_state.GPURaceDetectionState(num_cores=1)
+  race_detection_state.GPURaceDetectionState(num_cores=1)  # a later kernel's, race-free
+  assert not conftest.races_found()
+  first.races_found = True
+  assert conftest.races_found()
+  first.races_found = False  # or this test's own teardown check would fail

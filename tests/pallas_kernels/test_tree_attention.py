@@ -16,7 +16,6 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_jax import tree as tree_lib
@@ -24,6 +23,7 @@ from models import kimi
 from models.config import KimiConfig
 from pallas_kernels import reference
 from pallas_kernels import tree_attention as ta
+from tests.pallas_kernels import conftest
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
 # The kernel rounds the probabilities to bf16 (2^-9 relative) for the second product; on these
@@ -68,7 +68,8 @@ def random_window(rng, batch, q_len, cache_len, *, tree=True):
 
 
 def check_no_races():
-  assert not gpu_interpret.get_races().races_found, "the GPU interpreter reported a data race"
+  """Every kernel of the call so far (attention and merge), not only the last: see conftest."""
+  assert not conftest.races_found(), "the GPU interpreter reported a data race"
 
 
 def run_mla(rng, *, batch, q_len, heads, latent, rope, cache_len, num_splits=None, dtype=jnp.float32,
@@ -112,6 +113,25 @@ def test_mla_matches_reference_on_random_trees(q_len):
   got, want, valid = run_mla(rng, batch=2, q_len=q_len, heads=2, latent=128, rope=32,
                              cache_len=203 + q_len, num_splits=3)
   assert_matches(got, want, valid)
+
+
+def test_mla_window_past_the_pool_matches_reference():
+  # A last prefill chunk can run past the pool (its write dropped): request 0's window holds
+  # columns 68..71 of a 70-column pool, its rows 2 and 3 padded and seeing nothing (0 in both).
+  rng = np.random.default_rng(70)
+  q_len, cache_len = 4, 70
+  args = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+          for shape in ((2, q_len, 2, 64), (2, q_len, 2, 32), (3, cache_len, 64), (3, cache_len, 32))]
+  slots, prefix_len = jnp.asarray([1, 2]), jnp.asarray([68, 30])
+  visibility = jnp.asarray(np.tril(np.ones((2, q_len, q_len), bool)))
+  valid = jnp.asarray([[True, True, False, False], [True] * q_len])
+  got = np.asarray(ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=0.1,
+                                         interpret=INTERPRET, partial_dtype="float32"))
+  check_no_races()
+  want = np.asarray(reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
+                                                 scale=0.1))
+  assert (got[0, 2:] == 0).all() and (want[0, 2:] == 0).all()
+  assert_matches(got, want, np.asarray(valid))
 
 
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
@@ -860,6 +880,26 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="not a multiple of kv heads"):
     ta.mha_tree_attention(jnp.zeros((1, 3, 3, 64)), jnp.zeros((2, 100, 2, 64)),
                           jnp.zeros((2, 100, 2, 64)), *window, scale=1.0)
+  with pytest.raises(ValueError, match="no kv heads"):
+    ta.mha_tree_attention(jnp.zeros((1, 3, 3, 64)), jnp.zeros((2, 100, 0, 64)),
+                          jnp.zeros((2, 100, 0, 64)), *window, scale=1.0)
+  with pytest.raises(ValueError, match="T is 0"):
+    ta.mla_tree_attention(q, qr, c_kv[:, :0], k_pe[:, :0], *window, scale=1.0)
+  for splits in (0, -1, 2.0):
+    with pytest.raises(ValueError, match=f"num_splits={splits!r} must be an int >= 1"):
+      ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=1.0, num_splits=splits)
+  with pytest.raises(TypeError, match="scale must be a finite Python float .* got JitTracer"):
+    jax.jit(lambda s: ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=s))(1.0)
+  with pytest.raises(TypeError, match="interpret must be None"):
+    ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=1.0, interpret="cpu")
+  # Empty batches, windows and head axes give empty results, as the reference does.
+  for b, q_len, heads in ((0, 3, 2), (1, 0, 2), (1, 3, 0)):
+    empty = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b, q_len, q_len), bool),
+             jnp.ones((b, q_len), bool))
+    got = ta.mla_tree_attention(jnp.zeros((b, q_len, heads, 64)), jnp.zeros((b, q_len, heads, 32)), c_kv, k_pe,
+                                *empty, scale=1.0)
+    assert got.shape == (b, q_len, heads, 64) == reference.mla_tree_attention(
+        jnp.zeros((b, q_len, heads, 64)), jnp.zeros((b, q_len, heads, 32)), c_kv, k_pe, *empty, scale=1.0).shape
 
 
 def test_model_switch_selects_the_kernel_only_on_a_gpu():

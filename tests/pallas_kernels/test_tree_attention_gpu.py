@@ -139,9 +139,9 @@ def test_mla_live_splits_at_kimi_widths(q_len, heads, merge):
   options = ta.Options(live_splits=True, merge=merge)
   prefix = [100, 1000, 4000, 19000]
   pl_ = ta.plan(q_len=q_len, heads_per_group=heads, num_work=4, key_dims=(512, 64), value_dim=512,
-                shared_value=True, cache_len=ta._padded_cache_len(kw["cache_len"]), options=options)
+                shared_value=True, cache_len=ta.padded_cache_len(kw["cache_len"]), options=options)
   counts = ta._live_split_counts(jnp.asarray(prefix, jnp.int32) + q_len,
-                                 cache_len=ta._padded_cache_len(kw["cache_len"]),
+                                 cache_len=ta.padded_cache_len(kw["cache_len"]),
                                  ctas_per_request_split=pl_.num_row_tiles, num_splits=pl_.num_splits)
   assert int(counts.min()) < pl_.num_splits
   got, want, valid = mla_case(q_len + 500, **kw, options=options, prefix_len=prefix)

@@ -306,3 +306,20 @@ def test_model_xla_path_takes_no_meta_and_is_unchanged(monkeypatch):
   assert seen and all(k == ["scale"] for k in seen)
   assert np.isfinite(logits).all()
   # (tests/models/test_kimi.py checks these logits against an independent float64 forward.)
+
+
+def test_engine_allocates_the_kernels_pool_length(pallas_model, monkeypatch):
+  # A pool whose length the kernel cannot read (T % 8 != 0 or T < 64: the server's default
+  # max_len of 1024 + 33 is one) is padded in every layer's call, a copy of the whole pool; the
+  # engine allocates the kernel's length instead. The extra columns are never used: the output
+  # equals plain greedy decoding (the kernel stood in for by the reference, as above).
+  from ddtree_jax import drafters, engine
+  from ddtree_jax.near_tie import greedy_reference
+  monkeypatch.setattr(kimi, "_attention_impl",
+                      lambda cfg: lambda *a, window_meta=None, **k: reference.mla_tree_attention(*a, **k))
+  prompt = np.random.default_rng(8).integers(3, CFG.vocab_size, 9).tolist()
+  dec = engine.SpeculativeDecoder(pallas_model, drafters.RandomDrafter(CFG.vocab_size), policy="chain", budgets=(2,),
+                                  batch_buckets=(1,), max_len=41, prefill_chunk=16, show_progress=False)
+  assert dec.max_len == 41 and dec.target_cache.c_kv.shape[2] == ta.padded_cache_len(41) == 64
+  got = dec.generate([prompt], 20, stop_token_ids=[]).tokens
+  assert got == greedy_reference(pallas_model, [prompt], 20, 41)[0]

@@ -53,6 +53,22 @@ def test_the_server_exits_at_startup_when_pallas_cannot_run():
   assert "attention_impl='pallas' runs a Mosaic GPU kernel and needs a GPU backend" in proc.stderr
 
 
+def test_pallas_kernels_are_refused_for_a_float32_model(monkeypatch, tmp_path):
+  """Both kernels multiply in bf16: a float32 server with them would not be float32-exact."""
+  for name in ("attention_impl", "moe_impl"):
+    with pytest.raises(ValueError, match=f"{name}='pallas' computes in bfloat16, so a float32 model"):
+      ServeConfig(dtype="float32", **{name: "pallas"})
+    ServeConfig(dtype="bfloat16", **{name: "pallas"})
+  # --dtype auto takes the checkpoint's: refused once its config.json is read, before any weights.
+  from models import kimi
+  from models.config import KimiConfig
+  loading.save_kimi(kimi.init_model(KimiConfig.tiny(num_hidden_layers=1), seed=0), tmp_path, dtype="float32")
+  monkeypatch.setattr(serve_config.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(loading, "load_kimi", lambda *a, **k: pytest.fail("weights loaded"))
+  with pytest.raises(ValueError, match="attention_impl='pallas' .* stored in float32: pass --dtype bfloat16"):
+    serve_config.build_engine(ServeConfig(model=str(tmp_path), attention_impl="pallas"))
+
+
 def test_build_engine_passes_the_kernels_to_the_target(monkeypatch):
   seen = {}
 
