@@ -46,9 +46,14 @@ def test_greedy_speculative_equals_target_and_keeps_a_tau_floor(pair):
   assert result.mean_accepted_length > TAU_FLOOR
 
 
-def test_bf16_on_the_cpu_is_lossless_under_the_bf16_rule():
+@pytest.mark.parametrize("configs", [
+    (("chain", 8), ("ddtree", 64)),  # the smallest and largest budgets, both policies
+    pytest.param((("chain", 32), ("ddtree", 16)), marks=pytest.mark.slow),
+])
+def test_bf16_on_the_cpu_is_lossless_under_the_bf16_rule(configs):
   """bf16 weights and activations on the CPU (XLA CPU): speculative output equals greedy decoding
-  under DESIGN's bf16 near-tie rule at the policies and budgets the GPU test runs.
+  under DESIGN's bf16 near-tie rule at the policies and budgets the GPU test runs (two of them by
+  default, the other two under ``-m slow``).
 
   The GPU's bf16 runs leave the rule (README's open problem, also with the XLA target alone);
   here (8 prompts x 48 tokens) every stream equals greedy exactly on the CPU. So this test keeps
@@ -63,7 +68,7 @@ def test_bf16_on_the_cpu_is_lossless_under_the_bf16_rule():
   max_len = 128 + MAX_NEW + 65
   reference = greedy_reference(target, prompts, MAX_NEW, max_len)
   taus = {}
-  for policy, budget in (("chain", 8), ("ddtree", 16), ("chain", 32), ("ddtree", 64)):
+  for policy, budget in configs:
     dec = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target),
                                     policy=policy, budgets=(budget,), batch_buckets=(NUM_PROMPTS,), max_len=max_len,
                                     show_progress=False)
