@@ -9,6 +9,11 @@ pool (a last prefill chunk that runs past ``max_len``, whose write is dropped) s
 output is 0, as the kernels store it, not the NaN of a softmax over nothing.
 """
 
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.tree import window_mask
+
 
 def _masked_softmax(scores, mask):
   """Softmax over the last axis restricted to ``mask``; 0 for rows that see no column (NaN-free
@@ -16,11 +21,6 @@ def _masked_softmax(scores, mask):
   sees = jnp.any(mask, axis=-1, keepdims=True)
   probs = jax.nn.softmax(jnp.where(mask, scores, jnp.where(sees, -jnp.inf, 0.0)), axis=-1)
   return jnp.where(sees, probs, 0.0)
-
-import jax
-import jax.numpy as jnp
-
-from ddtree_jax.tree import window_mask
 
 
 def cache_mask(prefix_len, visibility, valid, cache_len: int):

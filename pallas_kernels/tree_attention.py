@@ -142,8 +142,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
 from ddtree_jax.tree import window_mask_bits
 from pallas_kernels.gpu_info import num_sms
@@ -1918,7 +1918,10 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
                        rows_per_tile=None, options=None, window_meta=None):
   """Absorbed-MLA tree attention over one layer's latent cache pool (Mosaic GPU kernel).
 
-  Same contract as ``reference.mla_tree_attention``.
+  Same contract as ``reference.mla_tree_attention``. Preconditions on traced values (not
+  checked): 0 <= slots < S; for real rows prefix_len >= 0 and prefix_len + Q <= T. A padded row
+  whose own column lies past the pool sees nothing and is 0; an empty batch, window or head axis
+  gives an empty result.
 
   Args:
     q_latent: [B, Q, N, R] queries in the latent space; q_rope: [B, Q, N, P].
@@ -1927,9 +1930,6 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
     scale: softmax scale.
     interpret: None on the GPU; ``plgpu.InterpretGPUParams(...)`` (or True: its defaults) runs the
       kernel on the CPU.
-  Preconditions (traced values, not checked): 0 <= slots < S; for real rows prefix_len >= 0 and
-  prefix_len + Q <= T. A padded row whose own column lies past the pool sees nothing and is 0.
-  An empty batch, window or head axis gives an empty result.
     num_splits: force the KV split count (tests, tuning); default from the SM count.
     partial_dtype: dtype of the per-split partial outputs: "float32", "bfloat16" or "auto"
       (default: bf16 where the queries are bf16 and the kernel stages the outputs in shared
