@@ -351,20 +351,21 @@ def test_per_row_compact_grid_gives_the_full_grids_rows_and_tile_loads(fmt):
   """Per-pair items on G programs that take the live pairs first (``_live_first``): the same rows
   bit for bit and the same tile loads per (tile, pair) as a program per pair (a dead pair: 0),
   for G = 1 (every live pair in one program's loop), 3 (fewer than the live pairs: a second
-  round) and 7; ids past E, -1 and all pairs dead; and with INT4's split gate/up and its fold
+  round; more than a lone live pair); ids past E, -1 and all pairs dead; and with INT4's split gate/up and its fold
   kernel (chunked tiles) the same rows as without the split."""
   rng = np.random.default_rng(71)
   experts = as_format(random_weights(71), fmt)
   tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
-  cases = [np.array([[1, E, 4, -1, 0, E, 5, 2]], np.int32),  # 5 live pairs of 8, not in order
-           np.array([[E, E, 3, E, E, E, E, E]], np.int32),  # a lone live pair, at index 2
-           np.full((1, 8), E, np.int32)]  # none: a step whose experts are all elsewhere
-  for ids in cases:
+  # (ids, grids): G = 1 and 3 (a second round) on 5 live pairs; more programs than live pairs.
+  cases = [(np.array([[1, E, 4, -1, 0, E, 5, 2]], np.int32), (1, 3)),  # 5 live pairs of 8, not in order
+           (np.array([[E, E, 3, E, E, E, E, E]], np.int32), (3,)),  # a lone live pair, at index 2
+           (np.full((1, 8), E, np.int32), (1,))]  # none: a step whose experts are all elsewhere
+  for ids, grids in cases:
     ids = jnp.asarray(ids)
     want = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True)
     live = (np.asarray(ids) >= 0) & (np.asarray(ids) < E)
     assert (np.asarray(want[1])[:, ~live[0]] == 0).all() and (np.asarray(want[1])[:, live[0]] > 0).all()
-    for item_programs in (1, 3, 7):
+    for item_programs in grids:
       got = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True, item_programs)
       for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
