@@ -1,6 +1,8 @@
-"""Facts about the GPU the kernels' heuristics size their grids for."""
+"""Facts about the GPU the kernels' heuristics size their grids for, and how a call asks for the
+CPU interpreter instead."""
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def num_sms() -> int:
@@ -13,3 +15,13 @@ def num_sms() -> int:
   except RuntimeError:  # no backend at all
     pass
   return 132
+
+
+def interpret_params(interpret, name: str = "interpret"):
+  """None (the GPU) or Mosaic GPU interpret-mode params; True (the usual Pallas idiom) takes their
+  defaults. Anything else is a TypeError naming ``name``."""
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
+    raise TypeError(f"{name} must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
+  return interpret

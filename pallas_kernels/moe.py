@@ -110,7 +110,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 import numpy as np
 
-from pallas_kernels.gpu_info import num_sms
+from pallas_kernels.gpu_info import interpret_params, num_sms
 from models.int4 import (GROUP_SIZE, PACK_BLOCK, Bf16Experts, Int4Experts, Int4Matrix,  # noqa: F401 (the kernel's API)
                          KernelInt4Matrix, from_kernel_layout, kernel_experts, kernel_layout_from_compressed_tensors,
                          kernel_layout_values, to_kernel_layout,
@@ -1159,15 +1159,6 @@ def default_int4_dequant(num_experts: int, expected_rows: int, inter: int) -> st
   return "registers_serial" if programs >= SERIAL_PROGRAMS_PER_SM * num_sms() else "registers"
 
 
-def _interpret_params(interpret):
-  """None (the GPU) or interpret-mode params; True (the usual Pallas idiom) takes their defaults."""
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
-    raise TypeError(f"interpret must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
-  return interpret
-
-
 def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expected_rows, interpret):
   if a < 1:
     raise ValueError("x_sorted has no rows")
@@ -1271,7 +1262,7 @@ def default_work_list_impl(num_experts: int) -> str:
 
 def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
                  count_tile_loads, sorted_expert_ids=None, per_row=None, item_programs=None, work_list_impl=None):
-  interpret = _interpret_params(interpret)
+  interpret = interpret_params(interpret)
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
   r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
   tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows)
@@ -1411,7 +1402,7 @@ def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None =
 
 def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
                          interpret, count_tile_loads, item_programs=None):
-  interpret = _interpret_params(interpret)
+  interpret = interpret_params(interpret)
   if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise ValueError(f"expert_ids must be an integer array [M, K], got {expert_ids.dtype}{list(expert_ids.shape)}")
   if tokens.ndim != 2 or tokens.shape[0] != expert_ids.shape[0]:

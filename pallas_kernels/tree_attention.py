@@ -146,7 +146,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from ddtree_jax.tree import window_mask_bits
-from pallas_kernels.gpu_info import num_sms
+from pallas_kernels.gpu_info import interpret_params, num_sms
 
 LOG2E = math.log2(math.e)
 BLOCK_KV = 64  # KV positions per tile: the wgmma M dimension of S^T
@@ -1900,11 +1900,7 @@ def _check_call(name, *, widths: dict, scale, num_splits, interpret):
   if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
                                  or num_splits < 1):
     raise ValueError(f"{name}: num_splits={num_splits!r} must be an int >= 1 (or None: from the SM count)")
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
-    raise TypeError(f"{name}: interpret must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
-  return interpret
+  return interpret_params(interpret, f"{name}: interpret")
 
 
 def _check_float(name, **arrays):
