@@ -121,12 +121,11 @@ def build_engine(config: ServeConfig) -> Engine:
   config.check_backend()
   model_dir = loading.resolve_model_dir(config.model)
   dtype = {} if config.dtype == "auto" else {"dtype": config.dtype, "param_dtype": config.dtype}
-  error = None
   if config.dtype == "auto":  # the checkpoint's dtype, known once its config is read
     stored = loading.stored_dtype(model_dir)
     error = kernel_dtype_error(stored, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
-  if error:
-    raise ValueError(f"{error} (the checkpoint is stored in {stored}: pass --dtype bfloat16)")
+    if error:
+      raise ValueError(f"{error} (the checkpoint is stored in {stored}: pass --dtype bfloat16)")
   target = loading.load_kimi(model_dir, **dtype, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
   if config.max_context > target.cfg.max_position_embeddings:
     raise ValueError(f"--max-context {config.max_context} exceeds the model's max_position_embeddings "
