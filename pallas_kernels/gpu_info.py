@@ -25,3 +25,15 @@ def interpret_params(interpret, name: str = "interpret"):
   if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
     raise TypeError(f"{name} must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
   return interpret
+
+
+def pdl_prologue(pdl: bool, interpret) -> None:
+  """A kernel's first statements under programmatic dependent launch (PDL): wait until the
+  kernels before it have finished and their writes are visible (``griddepcontrol.wait``, so no
+  read of an input can come before it), then let the next kernel launch (its CTAs take SMs as
+  ours leave them and wait in this same prologue). Calling it marks the kernel's custom call for
+  a launch with programmatic stream serialization, so its launch and set-up overlap the end of
+  the kernel before it. Interpret mode runs kernels one after another: nothing to do there."""
+  if pdl and interpret is None:
+    plgpu.griddepcontrol_wait()
+    plgpu.griddepcontrol_launch_dependents()

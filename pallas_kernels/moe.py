@@ -110,7 +110,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 import numpy as np
 
-from pallas_kernels.gpu_info import interpret_params, num_sms
+from pallas_kernels.gpu_info import interpret_params, num_sms, pdl_prologue
 from models.int4 import (GROUP_SIZE, PACK_BLOCK, Bf16Experts, Int4Experts, Int4Matrix,  # noqa: F401 (the kernel's API)
                          KernelInt4Matrix, from_kernel_layout, kernel_experts, kernel_layout_from_compressed_tensors,
                          kernel_layout_values, to_kernel_layout,
@@ -438,6 +438,9 @@ class KernelTiles:
   # T = 9 and 17: 1.04x, 1.01x); 0.79x and 0.82x at T = 544, where the down kernel's time falls
   # from 2128 to 1290 us (INT4).
   grid_order: str = "tile_minor"
+  # Programmatic dependent launch (``gpu_info.pdl_prologue``): each kernel of the call may be launched
+  # while the one before it finishes, and waits for it before reading anything.
+  pdl: bool = False
 
   def __post_init__(self):
     if self.grid_order not in ("item_minor", "tile_minor"):
@@ -706,7 +709,7 @@ class KernelWork(NamedTuple):
 def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cfg: TileConfig,
                     block_rows: int, int4_dequant: str, count_tile_loads: bool, interpret,
                     grid_order: str, num_slots=None, item_programs: int | None = None, sizes=None,
-                    num_rows: int | None = None, live_first: bool = False):
+                    num_rows: int | None = None, live_first: bool = False, pdl: bool = False):
   """One grouped projection (or the fused gate/up pair) into the work layout.
 
   Args:
@@ -770,6 +773,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
   pipe = dict(is_int4=is_int4, bk=bk, k_steps=k_steps, x_atom=x_atom, stages=stages, int4_dequant=int4_dequant)
 
   def body(*refs):
+    pdl_prologue(pdl, interpret)
     if in_kernel_list:
       sizes_ref, *refs = refs
     else:
@@ -1036,7 +1040,7 @@ def _visit_items(item, skip, w_items: int, item_programs, num_slots, first=None)
 
 
 def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_silu: bool, interpret, num_slots=None,
-                 item_programs: int | None = None, live_first: bool = False):
+                 item_programs: int | None = None, live_first: bool = False, pdl: bool = False):
   """Adds ``_grouped_kernel``'s chunk sums in chunk order, ((0 + c0) + c1) + ..., as its unsplit
   programs do, then SiLU(gate) * up (or takes the one weight's sum): f32 [C, num_w, W, N', R] (N'
   = N in whole output tiles) -> bf16 [W * R, N] in the work layout; items outside [0, E) are
@@ -1052,6 +1056,7 @@ def _fold_kernel(partials, work_expert, *, n_out: int, num_experts: int, fuse_si
   compact = _compact(w_items, num_slots, item_programs, live_first)
 
   def body(expert_ref, *refs):
+    pdl_prologue(pdl, interpret)
     if compact and not live_first:
       slots_ref, *refs = refs
     part_ref, out_ref, part_smem, out_smem, barrier = refs
@@ -1429,7 +1434,7 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
   tiles = tiles or default_tiles(experts)
   common = dict(block_rows=block_rows, int4_dequant=dequant, interpret=interpret,
                 count_tile_loads=count_tile_loads, grid_order=tiles.grid_order, item_programs=item_programs,
-                live_first=live_first)
+                live_first=live_first, pdl=tiles.pdl)
   h = _grouped_kernel(x, work_expert, block_start, (experts.gate, experts.up), fuse_silu=True,
                       cfg=tiles.gate_up, num_slots=num_slots, sizes=sizes, num_rows=num_rows, **common)
   work = None
@@ -1441,7 +1446,8 @@ def _expert_projections(x, work_expert, block_start, experts, block_rows, dequan
   h, h_loads = h if count_tile_loads else (h, None)
   if h.ndim == 5:  # split gate/up: its chunk sums, added and through SiLU in a small kernel
     h = _fold_kernel(h, work_expert, n_out=_weight_dims((experts.gate,), tiles.gate_up.block_k)[2],
-                     num_experts=_num_experts(experts), fuse_silu=True, interpret=interpret, **compact)
+                     num_experts=_num_experts(experts), fuse_silu=True, interpret=interpret, pdl=tiles.pdl,
+                     **compact)
   out = _grouped_kernel(h, work_expert, None, (experts.down,), fuse_silu=False, cfg=tiles.down, **common)
   if count_tile_loads:
     out, out_loads = out

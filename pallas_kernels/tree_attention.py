@@ -146,7 +146,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from ddtree_jax.tree import window_mask_bits
-from pallas_kernels.gpu_info import interpret_params, num_sms
+from pallas_kernels.gpu_info import interpret_params, num_sms, pdl_prologue
 
 LOG2E = math.log2(math.e)
 BLOCK_KV = 64  # KV positions per tile: the wgmma M dimension of S^T
@@ -288,6 +288,9 @@ class Options:
   probe: str = ""
   live_splits: bool | str = "auto"
   schedule: str = "chain"
+  # Programmatic dependent launch for the attention and merge kernels (``gpu_info.pdl_prologue``):
+  # each may launch while the kernel before it finishes, and waits for it before any read.
+  pdl: bool = False
 
 
 def _round_up(x: int, m: int) -> int:
@@ -1444,9 +1447,14 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       _kernel_rows_m if rows_m else _kernel, plan=pl_, num_key_parts=len(key_dims), shared_value=shared_value,
       num_groups=num_groups, num_words=num_words, cache_len=cache_len, scale=float(scale),
       interpreted=interpret is not None)
+  def launched_body(*refs):
+    pdl_prologue(pl_.options.pdl, interpret)
+    body(*refs)
+
   kernel = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch,
+      launched_body, out_type=out_type, scratch_types=scratch,
       grid=(bg_count, pl_.num_splits, n_rt), grid_names=("bg", "split", "rt"),
+      kernel_name="tree_attention",  # named in profiles (CUPTI, ncu)
       num_threads=pl_.value_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            reduction_scratch_bytes=pl_.reduction_scratch),
@@ -1677,7 +1685,7 @@ def _merge(o_part, lse_part, pl_: Plan, rows: int, *, skip_single: bool = True, 
   if _merge_kernel_applies(pl_.options.merge, o_part, bg_count * rows) and _merge_kernel_fits(
       o_part.shape, lse_part.shape, columns, o_part.dtype.itemsize):
     return _merge_kernel(o_part, lse_part, rows, columns=columns, interpret=interpret,
-                         live_counts=live_counts)
+                         live_counts=live_counts, pdl=pl_.options.pdl)
   lse = lse_part[..., :pl_.rows_stored]  # [BG, splits, n_rt, rs]
   if live_counts is not None:  # selects that XLA fuses into the two merge kernels
     written = jnp.arange(splits)[None, :] < live_counts[:, None]  # [BG, splits]
@@ -1773,7 +1781,7 @@ def _merge_kernel_fits(o_shape, lse_shape, columns: int = 0, itemsize: int = 4) 
 
 
 def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=None,
-                  live_counts=None):
+                  live_counts=None, pdl: bool = False):
   """The log-sum-exp merge as one Mosaic GPU kernel (``Options.merge="kernel"``).
 
   One CTA per output row (request-group ``bg``, row ``g`` of tile ``g // Rt``) and block of
@@ -1803,6 +1811,7 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
   o_view = o_part.reshape(bg_count, splits, n_rt, rs, chunks, width)
 
   def body(*refs):
+    pdl_prologue(pdl, interpret)
     if live_counts is None:
       o_ref, lse_ref, out_ref, o_smem, lse_smem, loaded = refs
     else:
@@ -1842,7 +1851,8 @@ def _merge_kernel(o_part, lse_part, rows: int, *, columns: int = 0, interpret=No
       scratch_types=[plgpu.SMEM((splits, per_cta, width), o_part.dtype),
                      plgpu.SMEM((splits, 4), jnp.float32),
                      plgpu.Barrier(num_arrivals=2)],
-      grid=(bg_count, rows, dv // cols), grid_names=("bg", "row", "col"), interpret=interpret)
+      grid=(bg_count, rows, dv // cols), grid_names=("bg", "row", "col"), kernel_name="tree_attention_merge",
+      interpret=interpret)
   operands = (o_view, lse_part) if live_counts is None else (live_counts, o_view, lse_part)
   return kernel(*operands).reshape(bg_count, rows, dv)
 

@@ -1103,6 +1103,29 @@ def test_one_token_block_lowers_for_the_gpu_without_a_sort(monkeypatch):
   assert "stablehlo.sort" in two
 
 
+def test_pdl_marks_every_kernel_for_dependent_launch():
+  """``KernelTiles(pdl=True)``, lowered for cuda at K2.6's widths (INT4, one token: gate/up, fold
+  and down): every kernel waits for the kernels before it and is marked for a PDL launch; the
+  default lowers none of it."""
+  e = 16
+
+  def matrix(n, k):
+    return moe.KernelInt4Matrix(jax.ShapeDtypeStruct((e, n, k // 8), jnp.uint32),
+                                jax.ShapeDtypeStruct((e, n, k // 32), jnp.bfloat16), k)
+  experts = moe.Int4Experts(matrix(2048, 7168), matrix(2048, 7168), matrix(7168, 2048))
+  tiles = moe.default_tiles(experts, expected_rows=1)
+
+  def lowered(pdl):
+    call = jax.jit(lambda t, i, w: moe.moe_experts_per_row(t, i, w, expected_rows=1, int4_dequant="registers",
+                                                           tiles=dataclasses.replace(tiles, pdl=pdl)))
+    return call.trace(jax.ShapeDtypeStruct((1, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((1, 8), jnp.int32),
+                      experts).lower(lowering_platforms=("cuda",)).as_text()
+  on, off = lowered(True), lowered(False)
+  assert "moe_fold" in on
+  for marker in ("mosaic_gpu.uses_pdl", "griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+    assert on.count(marker) == 3 and marker not in off, marker
+
+
 @pytest.mark.parametrize("dequant", ["registers", "registers_serial"])
 def test_chunked_split_and_compact_forms_lower_for_the_gpu(dequant):
   """Lowered for cuda (no GPU needed) at K2.6's widths, the GPU-only forms interpret mode does not
@@ -1225,6 +1248,30 @@ def test_gpu_per_row_compact_grid_gives_the_full_grids_rows(gpu, fmt, dequant):
   none = moe.moe_experts_per_row(tokens, jnp.full((1, 8), e, jnp.int32), experts, int4_dequant=dequant,
                                  expected_rows=1, item_programs=2)
   assert not np.asarray(none, np.float32).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_gpu_pdl_gives_the_same_rows(gpu, fmt):
+  """``KernelTiles.pdl`` only changes when each kernel may launch (it waits for the one before it
+  first): at K2.6's H and I, one token's per-pair items (INT4: split gate/up and fold) and 9
+  sorted tokens give the default's rows bit for bit."""
+  e = 16
+  experts = as_format(random_weights(67, num_experts=e, hidden=7168, inter=2048, scale=0.02), fmt)
+  rng = np.random.default_rng(67)
+  tokens = jnp.asarray(rng.standard_normal((1, 7168)), jnp.bfloat16)
+  ids = jnp.asarray([[e, 3, e, e, 11, e, 7, e]], jnp.int32)
+  tiles = moe.default_tiles(experts, expected_rows=1)
+  got, want = (moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1, tiles=dataclasses.replace(tiles, pdl=p))
+               for p in (True, False))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  order, sizes = routing(rng, 9, 8, e)
+  x, g = sorted_rows(rng, order, sizes, 7168), jnp.asarray(sizes)
+  tiles = moe.default_tiles(experts, expected_rows=9)
+  got, want = (moe.moe_experts(x, g, experts, expected_rows=9, tiles=dataclasses.replace(tiles, pdl=p))
+               for p in (True, False))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
 
 
 @pytest.mark.gpu

@@ -748,6 +748,24 @@ def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypa
     assert np.isnan(lse[bg, count:]).all(), bg
 
 
+def test_pdl_marks_both_kernels_for_dependent_launch():
+  # Options(pdl=True), lowered for cuda at Kimi's widths: the attention and the merge kernel each
+  # start by waiting for the kernels before them and are marked for a PDL launch; the default
+  # lowers neither.
+  sds = jax.ShapeDtypeStruct
+  args = (sds((1, 17, 8, 512), jnp.bfloat16), sds((1, 17, 8, 64), jnp.bfloat16),
+          sds((2, 32768, 512), jnp.bfloat16), sds((2, 32768, 64), jnp.bfloat16),
+          sds((1,), jnp.int32), sds((1,), jnp.int32), sds((1, 17, 17), jnp.bool_), sds((1, 17), jnp.bool_))
+
+  def lowered(options):
+    f = functools.partial(ta.mla_tree_attention, scale=0.1, options=options)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  on, off = lowered(ta.Options(pdl=True)), lowered(ta.Options())
+  assert "tree_attention_merge" in on
+  for marker in ("mosaic_gpu.uses_pdl", "griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+    assert on.count(marker) == 2 and marker not in off, marker
+
+
 def test_live_splits_lower_for_cuda_and_need_matching_metadata():
   # At Kimi's widths both forms and both merges pass Mosaic GPU's lowering with the per-request
   # counts; metadata prepared without them is refused by a call that uses them.

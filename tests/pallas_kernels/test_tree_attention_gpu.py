@@ -130,6 +130,17 @@ def test_mla_merge_kernel_at_kimi_widths(q_len, num_splits):
   np.testing.assert_allclose(got, xla, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_len,batch", [(17, 1), (9, 3), (1, 2)])
+def test_mla_pdl_gives_the_same_bits(q_len, batch):
+  # Options.pdl only changes when the kernels may launch (each waits for the one before it
+  # first): the same rows bit for bit as the default, merge kernel included (q17 at batch 1).
+  kw = dict(batch=batch, q_len=q_len, heads=8, latent=512, rope=64, cache_len=9000 + q_len)
+  got, want, valid = mla_case(q_len + 700, options=ta.Options(pdl=True), **kw)
+  default, _, _ = mla_case(q_len + 700, **kw)
+  np.testing.assert_array_equal(got, default)
+  assert_matches(got, want, valid, atol=default_atol(**{k: v for k, v in kw.items() if k not in ("latent", "rope")}))
+
+
 @pytest.mark.parametrize("q_len,heads,merge", [(17, 8, "auto"), (9, 8, "auto"), (17, 64, "pairwise"),
                                               (1, 8, "auto")])
 def test_mla_live_splits_at_kimi_widths(q_len, heads, merge):
