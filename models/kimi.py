@@ -177,11 +177,11 @@ def _attention_impl(cfg: KimiConfig):
   """The tree attention ``cfg.attention_impl`` selects; both share the reference's signature.
 
   "xla": the plain-jnp reference. "pallas": the Mosaic GPU kernel (forward only, no VJP). It needs a
-  GPU backend: elsewhere this raises instead of silently running the kernel interpreter, which is
-  for the kernel's tests and far too slow for a model.
+  GPU backend (or ``plgpu.force_gpu_interpret_mode``, for tests, as ``moe_impl`` does): elsewhere
+  this raises instead of silently running the kernel interpreter, which is far too slow for a model.
   """
   if cfg.attention_impl == "pallas":
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" and not _gpu_interpret_forced():
       raise RuntimeError(
           f"attention_impl='pallas' runs the Mosaic GPU kernel and needs a GPU backend, not "
           f"{jax.default_backend()!r}; use attention_impl='xla' here")

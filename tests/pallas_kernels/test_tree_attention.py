@@ -134,6 +134,24 @@ def test_mla_window_past_the_pool_matches_reference():
   assert_matches(got, want, np.asarray(valid))
 
 
+def test_mla_pool_shorter_than_a_tile_with_an_idle_request():
+  # A 20-column pool (under one 64-column tile), request 0 at prefix 0 (its window only), request 1
+  # idle (every row padded: a batch slot with no request), request 2 at prefix 12.
+  rng = np.random.default_rng(20)
+  q_len, cache_len = 5, 20
+  args = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+          for shape in ((3, q_len, 2, 64), (3, q_len, 2, 32), (4, cache_len, 64), (4, cache_len, 32))]
+  slots, prefix_len = jnp.asarray([3, 0, 1]), jnp.asarray([0, 0, 12])
+  visibility = jnp.asarray(np.tril(np.ones((3, q_len, q_len), bool)))
+  valid = jnp.asarray([[True] * q_len, [False] * q_len, [True, True, True, False, False]])
+  got = np.asarray(ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=0.1,
+                                         interpret=INTERPRET, partial_dtype="float32"))
+  check_no_races()
+  want = np.asarray(reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
+                                                 scale=0.1))
+  assert_matches(got, want, np.asarray(valid))
+
+
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
 def test_mla_any_visibility_relation_and_more_splits_than_tiles(form):
   # A non-tree visibility and 8 splits over at most 4 tiles: empty splits must merge away.
@@ -927,3 +945,6 @@ def test_model_switch_selects_the_kernel_only_on_a_gpu():
   else:
     with pytest.raises(RuntimeError, match="needs a GPU backend"):
       kimi._attention_impl(KimiConfig(attention_impl="pallas"))
+  # Under the interpreter forced for tests, as moe_impl="pallas" is.
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    assert kimi._attention_impl(KimiConfig(attention_impl="pallas")) is ta.mla_tree_attention
