@@ -439,7 +439,8 @@ class KernelTiles:
   # from 2128 to 1290 us (INT4).
   grid_order: str = "tile_minor"
   # Programmatic dependent launch (``gpu_info.pdl_prologue``): each kernel of the call may be launched
-  # while the one before it finishes, and waits for it before reading anything.
+  # while the one before it finishes, and waits for it before reading anything. H200: 0.999-1.015x
+  # at the 48-expert share (benchmarks/results/pdl.md: no launch gaps to close), so off.
   pdl: bool = False
 
   def __post_init__(self):

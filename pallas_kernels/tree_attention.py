@@ -289,7 +289,9 @@ class Options:
   live_splits: bool | str = "auto"
   schedule: str = "chain"
   # Programmatic dependent launch for the attention and merge kernels (``gpu_info.pdl_prologue``):
-  # each may launch while the kernel before it finishes, and waits for it before any read.
+  # each may launch while the kernel before it finishes, and waits for it before any read. H200:
+  # no gain in five heads-8 cells (benchmarks/results/pdl.md: XLA's command buffer leaves no
+  # launch gaps between the kernels), so off.
   pdl: bool = False
 
 
@@ -1447,6 +1449,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
       _kernel_rows_m if rows_m else _kernel, plan=pl_, num_key_parts=len(key_dims), shared_value=shared_value,
       num_groups=num_groups, num_words=num_words, cache_len=cache_len, scale=float(scale),
       interpreted=interpret is not None)
+
   def launched_body(*refs):
     pdl_prologue(pl_.options.pdl, interpret)
     body(*refs)
