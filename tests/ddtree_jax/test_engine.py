@@ -114,6 +114,26 @@ def test_noise_free_oracle_chain_accepts_whole_draft_every_step(model, prompts, 
   assert result.steps[0].accepted == [budget + 1] * 3
 
 
+def test_greedy_stop_tokens_inside_accepted_paths_cut_as_plain_decoding(model, prompts, reference):
+  """Stop tokens are the only place the lossless tests above leave out (they pass none): with
+  two of the reference's own tokens as stop tokens, each stream ends at the first of them,
+  inclusive, exactly where plain greedy decoding would; the oracle chain accepts whole paths, so
+  a stop lies inside an accepted path (not on the bonus token), which ``accept`` must cut."""
+  budget = 8
+  ref_tokens, ref_margins = reference
+  stops = {ref_tokens[0][10], ref_tokens[1][21]}
+  cut = [next((i + 1 for i, t in enumerate(row) if t in stops), len(row)) for row in ref_tokens]
+  assert cut[0] <= 11 and cut[1] <= 22  # both streams stop early
+  # With whole paths of budget + 1 tokens after the first, position i is a path token unless
+  # (i - 1) % (budget + 1) == budget (the bonus).
+  assert any(c < MAX_NEW and (c - 2) % (budget + 1) != budget for c in cut)
+  dec = decoder(model, make_drafter("oracle", prompts, ref_tokens), "chain", (budget,), 3)
+  got = dec.generate(prompts, MAX_NEW, budget=budget, stop_token_ids=sorted(stops)).tokens
+  check_near_ties(got, [row[:c] for row, c in zip(ref_tokens, cut)], [m[:c] for m, c in zip(ref_margins, cut)],
+                  context="stop tokens")
+  assert [len(row) for row in got] == cut
+
+
 def test_noisy_oracle_ddtree_recovers_through_siblings_and_beats_chain(model, prompts, reference):
   budget = 16
   drafter = make_drafter("noisy", prompts, reference[0])

@@ -82,9 +82,12 @@ def check_against_ref(res, tree, drawn, stop_tokens=None, stop_valid=None):
     assert int(res.bonus[b]) == (int(drawn[b][path[-1]]) if path else 0), b
 
 
-def random_trees(rng, batch, q_len, vocab):
+def random_trees(rng, batch, q_len, vocab, chain_bias=0.0, follow=0.8):
   """Random trees with distinct sibling tokens, random padding (tokens of padded rows often equal
-  a draw, and some padded rows point at a real parent), and draws that often follow a child."""
+  a draw, and some padded rows point at a real parent), and draws that often follow a child.
+  ``chain_bias``: the chance that a node hangs off the node just before it (deep trees, as DDTree's
+  chain-heavy ones; uniform parents give depths of about log q_len). ``follow``: the chance that a
+  node's draw is one of its children's tokens."""
   parents = np.full((batch, q_len), -1, np.int32)
   tokens = rng.integers(0, vocab, (batch, q_len)).astype(np.int32)
   valid = np.zeros((batch, q_len), bool)
@@ -94,7 +97,7 @@ def random_trees(rng, batch, q_len, vocab):
     used = {}
     for i in range(1, n_real):
       while True:
-        p = int(rng.integers(0, i))
+        p = i - 1 if rng.random() < chain_bias else int(rng.integers(0, i))
         free = [t for t in range(vocab) if t not in used.setdefault(p, set())]
         if free:
           break
@@ -109,7 +112,7 @@ def random_trees(rng, batch, q_len, vocab):
   for b in range(batch):
     for i in range(q_len):
       kids = [c for c in range(q_len) if parents[b, c] == i]
-      if kids and rng.random() < 0.8:
+      if kids and rng.random() < follow:
         drawn[b, i] = tokens[b, rng.choice(kids)]  # padded kids too: they must still be refused
   return build_tree(parents, tokens, valid), jnp.asarray(drawn)
 
@@ -227,6 +230,32 @@ def test_accept_fuzz_vs_python(q_len):
     assert bool(jnp.any(res.hit_stop))
 
 
+def test_accept_deep_chain_stops_at_the_first_rejection():
+  # A 16-node chain whose draw rejects node 2 while every deeper node's token matches its
+  # parent's draw: only the root and node 1 are accepted. A walk that checks fewer ancestors
+  # than the depth (too few pointer-doubling rounds) accepts nodes 10..15 as well.
+  q_len = 16
+  parents = [[-1] + list(range(q_len - 1))]
+  tokens = [[7] + [1 + i % 3 for i in range(1, q_len)]]
+  drawn = [[tokens[0][i + 1] if i + 1 < q_len else 4 for i in range(q_len)]]
+  drawn[0][1] = 9  # node 2 (token 2) is not what was drawn after node 1
+  tree = build_tree(parents, tokens)
+  res = accept_jit(tree, jnp.asarray(drawn, jnp.int32))
+  check_against_ref(res, tree, drawn)
+  np.testing.assert_array_equal(res.num_accepted, [2])
+  np.testing.assert_array_equal(res.emitted[0, :3], [tokens[0][1], 9, 0])
+
+
+@pytest.mark.parametrize("q_len", [33, 65])
+def test_accept_fuzz_deep_trees_vs_python(q_len):
+  rng = np.random.default_rng(q_len)
+  # Draws that almost always follow a child: long runs of matches below each rejection, which a
+  # walk checking too few ancestors (fewer doubling rounds than the depth needs) would accept.
+  tree, drawn = random_trees(rng, 64, q_len, vocab=5, chain_bias=0.9, follow=0.95)
+  assert int(np.asarray(tree.depth).max()) >= q_len // 2
+  check_against_ref(accept_jit(tree, drawn), tree, drawn)
+
+
 # ---------------------------------------------------------------- stop tokens
 
 
@@ -317,6 +346,17 @@ def test_top_k_top_p_support_is_exact(top_k, top_p):
   seen = np.zeros(16, bool)
   seen[draws] = True
   np.testing.assert_array_equal(seen, support)  # never outside; every supported token occurs
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+  # The truncations are value thresholds (shardable over the vocabulary): top_k = 3 over logits
+  # whose 3rd to 5th values tie keeps all five; top_p keeps the tokens tied at its boundary too.
+  logits = jnp.asarray([[[4.0, 3.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0]]], jnp.float32)
+  kept = lambda **kw: np.isfinite(np.asarray(process_jit(logits, vf.SamplingParams.make(1, 1.0, **kw))))[0, 0]
+  np.testing.assert_array_equal(kept(top_k=3), [1, 1, 1, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(kept(top_k=2), [1, 1, 0, 0, 0, 0, 0, 0])
+  # Mass before the 3rd value is e^4 + e^3 over the total, below 0.95: the nucleus reaches the tie.
+  np.testing.assert_array_equal(kept(top_p=0.95), [1, 1, 1, 1, 1, 0, 0, 0])
 
 
 def test_no_op_truncation_and_key_derivation():
