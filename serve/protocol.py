@@ -7,11 +7,14 @@ are strict (``"max_tokens": "5"`` or ``"stream": "yes"`` are 400s, not coerced);
 accepted where a float is expected.
 """
 
-import math
 from typing import Annotated, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TEMPERATURE = 1000.0
+MAX_STOP_STRING_CHARS = 1000
+
 
 class ApiError(Exception):
   """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -47,16 +50,16 @@ class _Sampling(BaseModel):
   top_k: int | None = None
   n: int | None = None
   seed: int | None = None
-  stream: bool = False
+  stream: bool | None = False  # null (as OpenAI's clients may send for unset fields): false
   stream_options: StreamOptions | None = None
   stop: str | list[str] | None = None
   stop_token_ids: list[int] | None = None
-  ignore_eos: bool = False
+  ignore_eos: bool | None = False
   presence_penalty: float | None = None
   frequency_penalty: float | None = None
   repetition_penalty: float | None = None
   logit_bias: dict[str, float] | None = None
-  return_token_ids: bool = False
+  return_token_ids: bool | None = False
   user: str | None = None
   metadata: dict | None = None
   store: bool | None = None
@@ -64,8 +67,10 @@ class _Sampling(BaseModel):
 
   def check(self, max_stop_strings: int = 16) -> None:
     """Refuses values this server cannot honour (raises ApiError 400 naming the field)."""
-    if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
-      raise ApiError(400, f"temperature must be a finite number >= 0, got {self.temperature}", param="temperature")
+    if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
+      # The bound keeps (logit - max) / T a normal float32 (1e39 became inf, silently dropping top_k).
+      raise ApiError(400, f"temperature must lie in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+                     param="temperature")
     if self.top_p is not None and not 0 < self.top_p <= 1:
       raise ApiError(400, f"top_p must lie in (0, 1], got {self.top_p}", param="top_p")
     if self.top_k is not None and not -1 <= self.top_k < 2**31:
@@ -89,6 +94,10 @@ class _Sampling(BaseModel):
       raise ApiError(400, f"stop: at most {max_stop_strings} stop strings, got {len(stops)}", param="stop")
     if any(not s for s in stops):
       raise ApiError(400, "stop: stop strings must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+      # Matching a stop string's prefixes against each new tail costs the engine thread O(len^2).
+      raise ApiError(400, f"stop: stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got "
+                     f"{max(len(s) for s in stops)}", param="stop")
 
   @property
   def stop_strings(self) -> list[str]:
@@ -104,7 +113,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
   prompt: str | list[int] | list[str] | list[list[int]]
   max_tokens: int | None = 16
-  echo: bool = False
+  echo: bool | None = False
   logprobs: int | None = None
   best_of: int | None = None
   suffix: str | None = None

@@ -4,11 +4,13 @@ stop strings.
 Special tokens enter a prompt only by id: a user's text that spells ``<|im_end|>`` is encoded as
 those characters, so a message cannot forge a turn boundary. A checkpoint's own Jinja chat
 template (``tokenizer_config.json``'s ``chat_template``) renders to a string whose special-token
-spellings *are* meant as ids; only there are they parsed.
+spellings *are* meant as ids; only the template's own text is parsed for them, never a message's
+(``TextCodec._checkpoint_chat_prompt``).
 """
 
 import dataclasses
 import json
+import secrets
 from pathlib import Path
 from typing import Sequence
 
@@ -56,10 +58,14 @@ class TextCodec:
     if chat_template is not None:
       self._parsing = Tokenizer.from_str(tokenizer.to_str())
       self._parsing.encode_special_tokens = False
-      env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+      # As Hugging Face renders chat templates (loop controls: {% break %}, {% continue %}).
+      env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                         extensions=["jinja2.ext.loopcontrols"])
       env.globals["raise_exception"] = _raise_template_error
       self._template = env.from_string(chat_template)
     self._special_tokens = dict(special_tokens or {})
+    # Spellings the template parser turns into ids (added tokens): never from a message's content.
+    self._special_spellings = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values())
     self._marker = {name: tokenizer.token_to_id(name) for name in
                     ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
     self.chat_stop_ids = tuple(i for i in (self._marker["<|im_end|>"],) if i is not None)
@@ -79,7 +85,10 @@ class TextCodec:
       template = config.get("chat_template")
       if isinstance(template, list):  # HF allows named templates; the default one serves chat
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-      special = {k: v for k, v in config.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+      # Hugging Face writes these as strings or as AddedToken dicts ({"content": "<s>", ...}).
+      special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+                 if k in ("bos_token", "eos_token")}
+      special = {k: v for k, v in special.items() if isinstance(v, str)}
       if config.get("add_bos_token") and special.get("bos_token"):
         bos = tok.token_to_id(special["bos_token"])
     codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special)
@@ -117,10 +126,7 @@ class TextCodec:
     if not messages:
       raise TextError("messages: empty (at least one message is needed)")
     if self._template is not None:
-      text = self._template.render(messages=[dataclasses.asdict(m) for m in messages], add_generation_prompt=True,
-                                   **self._special_tokens)
-      # The template's own special-token spellings are ids; the tokenizer parses them here only.
-      return self._parsing.encode(text, add_special_tokens=False).ids
+      return self._checkpoint_chat_prompt(messages)
     ids: list[int] = []
     for i, message in enumerate(messages):
       if message.role not in CHAT_ROLES:
@@ -129,6 +135,35 @@ class TextCodec:
               *self.encode(message.content), self._marker["<|im_end|>"]]
     ids += [self._marker["<|im_assistant|>"], *self.encode("assistant"), self._marker["<|im_middle|>"]]
     return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+
+  def _checkpoint_chat_prompt(self, messages: Sequence[Message]) -> list[int]:
+    """The checkpoint template's prompt. The template's own special-token spellings become ids
+    (the rendered text is parsed for them); a message's content never does, so a user cannot forge
+    a turn marker. Where no content holds a special token's spelling the whole rendering is parsed
+    at once (token boundaries as the model was trained with). Otherwise the template is rendered
+    with a placeholder per content, its pieces parsed and each content encoded literally between
+    them; a template that does not insert contents verbatim cannot be split so, and is refused."""
+    render = lambda contents: self._template.render(
+        messages=[dict(dataclasses.asdict(m), content=c) for m, c in zip(messages, contents)],
+        add_generation_prompt=True, **self._special_tokens)
+    contents = [m.content for m in messages]
+    if not any(word in c for c in contents for word in self._special_spellings):
+      return tokenizer_lib.encode(self._parsing, render(contents))
+    refused = TextError("messages: a message holds a special token's text, and the chat template does not insert "
+                        "each message's content once and verbatim, so it cannot be kept literal")
+    marks = [f"\x00{secrets.token_hex(8)}\x00" for _ in contents]
+    text = render(marks)
+    pieces, ids = [], []
+    for mark, content in zip(marks, contents):
+      before, found, text = text.partition(mark)
+      if not found or mark in text:
+        raise refused
+      ids += tokenizer_lib.encode(self._parsing, before) + self.encode(content)
+      pieces.append(before)
+    ids += tokenizer_lib.encode(self._parsing, text)
+    if "".join(p + c for p, c in zip(pieces, contents)) + text != render(contents):
+      raise refused
+    return ids
 
   def decode(self, ids: Sequence[int]) -> str:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
