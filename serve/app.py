@@ -117,7 +117,8 @@ def create_app(state: ServerState) -> FastAPI:
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     prefix = ""
     if body.echo:
-      prefix = body.single_prompt if isinstance(body.single_prompt, str) else eng.codec.decode(prompt_ids)
+      prefix = (body.single_prompt if isinstance(body.single_prompt, str)
+                else await run_in_threadpool(eng.codec.decode_long, prompt_ids))
     return await _serve(request, eng, body, prompt_ids, max_tokens, chat=False, echo=prefix)
 
   @app.post("/v1/chat/completions")
@@ -239,7 +240,7 @@ def _check_model(eng: Engine, model: str | None) -> None:
 
 
 def _stop_ids(eng: Engine, body, chat: bool) -> list[int]:
-  ids = [] if body.ignore_eos else [eng.codec.eos_token_id]
+  ids = [] if body.ignore_eos else list(eng.codec.stop_ids)
   if chat and not body.ignore_eos:
     ids += list(eng.codec.chat_stop_ids)
   for t in body.stop_token_ids or []:

@@ -159,6 +159,7 @@ class Job:
   first_token_at: float | None = None
   consumed: int = 0  # tokens already turned into events
   done: bool = False
+  counted: bool = True  # in the request and token metrics (the server's warm-up request is not)
 
   @property
   def prompt_tokens(self) -> int:
@@ -302,7 +303,8 @@ class EngineLoop:
     if job.done:
       return
     job.done = True
-    self.metrics.finished.labels("cancelled").inc()
+    if job.counted:
+      self.metrics.finished.labels("cancelled").inc()
     if job in self._waiting:
       self._waiting.remove(job)
       self._dequeued(1)
@@ -327,11 +329,11 @@ class EngineLoop:
       except Exception as err:  # pylint: disable=broad-except
         self._dequeued(1)
         log.warning("admission failed: %s", err)
-        self.metrics.engine_failures.inc()
         self._finish(job, error=f"admission failed: {err}")
         if not self._caches_usable(with_decode=True):
-          self._fail_running(err)
+          self._fail_running(err)  # counts the failure
           return
+        self.metrics.engine_failures.inc()
         continue
       with self._lock:  # queued until now, running from now on: ``submit`` never sees it in neither
         self._queued -= 1
@@ -339,7 +341,8 @@ class EngineLoop:
         self.metrics.queue_depth.set(self._queued)
       admitted_tokens += job.prompt_tokens
       self._jobs[job.request] = job
-      self.metrics.prompt_tokens.inc(job.prompt_tokens)
+      if job.counted:
+        self.metrics.prompt_tokens.inc(job.prompt_tokens)
 
   def _observe(self, stats: engine.StepStats) -> None:
     self.metrics.step_seconds.labels(str(stats.budget)).observe(stats.step_time)
@@ -357,8 +360,10 @@ class EngineLoop:
       if len(tokens) > job.consumed:
         if job.first_token_at is None:
           job.first_token_at = now
-          self.metrics.ttft.observe(now - job.arrival)
-        self.metrics.generated_tokens.inc(len(tokens) - job.consumed)
+          if job.counted:
+            self.metrics.ttft.observe(now - job.arrival)
+        if job.counted:
+          self.metrics.generated_tokens.inc(len(tokens) - job.consumed)
         job.consumed = len(tokens)
       finished = request.finished
       visible = tokens
@@ -399,7 +404,8 @@ class EngineLoop:
       return
     job.done = True
     self._jobs.pop(job.request, None)
-    self.metrics.finished.labels(reason or "error").inc()
+    if job.counted:
+      self.metrics.finished.labels(reason or "error").inc()
     tokens = job.request.tokens[:num_tokens]
     job.sink(Event(text=text, completion_tokens=len(tokens), token_ids=tuple(tokens), finish_reason=reason,
                    error=error))

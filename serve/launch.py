@@ -47,7 +47,7 @@ def warm_up(config: ServeConfig) -> Engine:
       done.set()
 
   request = engine.loop.decoder.request(np.asarray([engine.codec.eos_token_id], np.int32), 2, stop_token_ids=[])
-  engine.loop.submit(Job(request=request, text=StreamText(engine.codec), sink=sink))
+  engine.loop.submit(Job(request=request, text=StreamText(engine.codec), sink=sink, counted=False))
   if not done.wait(600) or events[-1].error:
     raise RuntimeError(f"warm-up request failed: {events[-1].error if events else 'timed out'}")
   _compile_watchers.append(engine)

@@ -44,13 +44,17 @@ class TextCodec:
     chat_template: a Jinja template string, or None for the built-in Kimi-style template (which
       needs the ``<|im_*|>`` special tokens in the vocabulary).
     eos_token_id: the model's end-of-sequence id (a default stop id).
+    extra_stop_ids: more ids that end every request by default: the rest of a ``config.json``
+      ``eos_token_id`` list and ``tokenizer_config.json``'s ``eos_token`` (``from_model_dir``).
     bos_token_id: prepended to completion prompts when the model expects it (None: nothing).
   """
 
   def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None, eos_token_id: int,
-               bos_token_id: int | None = None, special_tokens: dict | None = None):
+               bos_token_id: int | None = None, special_tokens: dict | None = None, extra_stop_ids=()):
     self.tokenizer = tokenizer
     self.eos_token_id = eos_token_id
+    # Every id that ends a request by default (the model's EOS first).
+    self.stop_ids = tuple(dict.fromkeys([eos_token_id, *(int(i) for i in extra_stop_ids)]))
     self.bos_token_id = bos_token_id
     self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     self._template = None
@@ -91,7 +95,20 @@ class TextCodec:
       special = {k: v for k, v in special.items() if isinstance(v, str)}
       if config.get("add_bos_token") and special.get("bos_token"):
         bos = tok.token_to_id(special["bos_token"])
-    codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special)
+    # KimiConfig keeps the first of a list of EOS ids; the others, and the tokenizer's own EOS
+    # token, end a request too (a turn format whose end marker is not EOS would run on past it).
+    extra = []
+    model_config = directory / "config.json"
+    if model_config.exists():
+      fields = json.loads(model_config.read_text())
+      fields = fields.get("text_config", fields) if isinstance(fields.get("text_config"), dict) else fields
+      listed = fields.get("eos_token_id")
+      vocab = tok.get_vocab_size(with_added_tokens=True)
+      extra += [i for i in listed if isinstance(i, int) and 0 <= i < vocab] if isinstance(listed, list) else []
+    if special.get("eos_token") and tok.token_to_id(special["eos_token"]) is not None:
+      extra.append(tok.token_to_id(special["eos_token"]))
+    codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special,
+                extra_stop_ids=extra)
     if template is None and any(i is None for i in codec._marker.values()):
       raise TextError(f"{directory}: no chat template in tokenizer_config.json and no <|im_*|> tokens for the "
                       "built-in one")
@@ -167,6 +184,11 @@ class TextCodec:
 
   def decode(self, ids: Sequence[int]) -> str:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def decode_long(self, ids: Sequence[int]) -> str:
+    """``decode`` for a whole prompt: through ``decode_batch``, which releases the GIL (``decode``
+    holds it, ~75 ms for a megabyte's ids); a stream's small windows keep ``decode``."""
+    return self.tokenizer.decode_batch([[int(i) for i in ids]], skip_special_tokens=True)[0]
 
 
 def _raise_template_error(message):

@@ -135,6 +135,12 @@ def test_checkpoint_config_forms(tmp_path, codec):
                            bos_token={"__type": "AddedToken", "content": "<|endoftext|>", "special": True})
   bos = codec.tokenizer.token_to_id("<|endoftext|>")
   assert jinja.bos_token_id == bos and jinja.completion_prompt("x") == [bos] + codec.encode("x")
+  assert jinja.stop_ids == (0,)  # the model's EOS alone
+  # More stop ids: the rest of config.json's EOS list (K2.6 nests it in text_config) and the
+  # tokenizer's own EOS token.
+  (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": [0, 7, 10**9]}}))
+  more = checkpoint_codec(tmp_path, codec, template, eos_token={"content": "<|im_end|>"})
+  assert more.stop_ids == (0, 7, codec.tokenizer.token_to_id("<|im_end|>"))
   assert jinja.chat_prompt([Message("user", "a"), Message("user", "b")]) == (
       [bos, codec.tokenizer.token_to_id("<|im_user|>")] + codec.encode("a"))
 
@@ -166,6 +172,8 @@ def test_encoding_a_long_prompt_lets_other_threads_run(codec):
 
 def test_completion_prompt_forms(codec):
   assert codec.completion_prompt("x = 1") == [0] + codec.encode("x = 1")
+  ids = codec.encode("naïve café — 東京 😀 done\n    return x")
+  assert codec.decode_long(ids) == codec.decode(ids) == "naïve café — 東京 😀 done\n    return x"
   assert codec.completion_prompt([5, 6, 7]) == [5, 6, 7]
   with pytest.raises(TextError, match="outside"):
     codec.completion_prompt([5, codec.vocab_size])
