@@ -47,6 +47,8 @@ def parse_args(argv=None):
   parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
                       help="requests that may wait for a batch row; more get 429")
   parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="larger bodies get 413")
+  parser.add_argument("--max-stop-ids", type=int, default=defaults.max_stop_ids,
+                      help="stop token ids per request, the model's own included (a compiled shape)")
   parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "bfloat16", "float32"))
   parser.add_argument("--prefill-chunk", type=int, default=defaults.prefill_chunk,
                       help="prompt tokens per compiled prefill chunk")
@@ -65,7 +67,8 @@ def parse_args(argv=None):
                          spec=args.spec, policy_options=policy_modules.parse_options(args.policy_option),
                          budget=args.budget, max_batch=args.max_batch,
                          max_context=args.max_context, max_queue=args.max_queue,
-                         max_body_bytes=args.max_body_bytes, dtype=args.dtype, prefill_chunk=args.prefill_chunk,
+                         max_body_bytes=args.max_body_bytes, max_stop_ids=args.max_stop_ids,
+                         dtype=args.dtype, prefill_chunk=args.prefill_chunk,
                          compile_cache_dir=args.compile_cache_dir, host=args.host, port=args.port,
                          api_key=args.api_key, attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     config.check_backend()

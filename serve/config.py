@@ -131,6 +131,10 @@ def build_engine(config: ServeConfig) -> Engine:
     raise ValueError(f"--max-context {config.max_context} exceeds the model's max_position_embeddings "
                      f"{target.cfg.max_position_embeddings}")
   codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
+  default_stops = len(set(codec.stop_ids) | set(codec.chat_stop_ids))
+  if default_stops > config.max_stop_ids:
+    raise ValueError(f"the model's own stop ids ({default_stops}: {sorted(set(codec.stop_ids) | set(codec.chat_stop_ids))}) "
+                     f"exceed --max-stop-ids {config.max_stop_ids}, so every chat request would be refused: raise it")
   table = config.budget_table
   buckets = batch_buckets(config.max_batch)
   if config.spec == "none":

@@ -118,6 +118,15 @@ def test_policy_options_are_checked_and_reach_the_decoder(monkeypatch, capsys):
   assert seen["policy"] == "beam" and seen["policy_options"] == {"width": 3}
 
 
+def test_max_stop_ids_flag_and_a_model_with_more_stop_ids_refused_at_startup(monkeypatch):
+  config, _ = serve_cli.parse_args(["--max-stop-ids", "3"])
+  assert config.max_stop_ids == 3
+  # The bundled pair's own stop ids are EOS and <|im_end|>: one slot is too few for chat requests.
+  monkeypatch.setattr(serve_config.engine, "SpeculativeDecoder", lambda *a, **k: pytest.fail("compiled"))
+  with pytest.raises(ValueError, match=r"the model's own stop ids \(2: .*\) exceed --max-stop-ids 1"):
+    serve_config.build_engine(ServeConfig(max_stop_ids=1, spec="none"))
+
+
 def test_the_server_exits_when_its_model_does_not_load(tmp_path):
   """A warm-up that fails ends the process with status 1 and the error, rather than a server that
   answers 503 forever (a supervisor must see a failed start)."""
