@@ -68,8 +68,10 @@ class TextCodec:
       env.globals["raise_exception"] = _raise_template_error
       self._template = env.from_string(chat_template)
     self._special_tokens = dict(special_tokens or {})
-    # Spellings the template parser turns into ids (added tokens): never from a message's content.
-    self._special_spellings = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values())
+    # Spellings the template parser turns into special ids and the literal encoder does not: never
+    # from a message's content. (Non-special added tokens are matched by both alike.)
+    self._special_spellings = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                    if t.special and t.content)
     self._marker = {name: tokenizer.token_to_id(name) for name in
                     ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
     self.chat_stop_ids = tuple(i for i in (self._marker["<|im_end|>"],) if i is not None)
