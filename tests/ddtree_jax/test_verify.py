@@ -233,12 +233,12 @@ def test_accept_fuzz_vs_python(q_len):
 def test_accept_deep_chain_stops_at_the_first_rejection():
   # A 16-node chain whose draw rejects node 2 while every deeper node's token matches its
   # parent's draw: only the root and node 1 are accepted. A walk that checks fewer ancestors
-  # than the depth (too few pointer-doubling rounds) accepts nodes 10..15 as well.
+  # than the depth (too few pointer-doubling rounds) accepts the deepest nodes as well.
   q_len = 16
   parents = [[-1] + list(range(q_len - 1))]
   tokens = [[7] + [1 + i % 3 for i in range(1, q_len)]]
   drawn = [[tokens[0][i + 1] if i + 1 < q_len else 4 for i in range(q_len)]]
-  drawn[0][1] = 9  # node 2 (token 2) is not what was drawn after node 1
+  drawn[0][1] = 9  # node 2 (token 3) is not what was drawn after node 1
   tree = build_tree(parents, tokens)
   res = accept_jit(tree, jnp.asarray(drawn, jnp.int32))
   check_against_ref(res, tree, drawn)
