@@ -204,17 +204,18 @@ def test_seeded_sampling_is_batch_and_budget_invariant(model, prompts, reference
   dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (0, 8), 3)
   kwargs = dict(temperature=[0.8, 1.0, 0.0], top_p=[0.95, 1.0, 1.0], top_k=[0, 20, 0], seed=[11, 12, 13],
                 stop_token_ids=[])
-  batched = dec.generate(prompts, MAX_NEW, budget=8, **kwargs)
+  new = 24  # several steps of budget 8, half of MAX_NEW (the reference below decodes token by token)
+  batched = dec.generate(prompts, new, budget=8, **kwargs)
   # The engine's first token and tree positions key every draw as plain seeded decoding does
   # (a key shared by two positions would still give budget 8 = budget 0 below).
   sampling = verify_lib.SamplingParams.make(3, **{k: v for k, v in kwargs.items() if k != "stop_token_ids"})
-  assert batched.tokens == seeded_autoregressive(model, prompts, MAX_NEW, sampling)
-  autoregressive = dec.generate(prompts, MAX_NEW, budget=0, **kwargs)
-  alone = dec.generate([prompts[0]], MAX_NEW, budget=8, temperature=0.8, top_p=0.95, seed=11, stop_token_ids=[])
+  assert batched.tokens == seeded_autoregressive(model, prompts, new, sampling)
+  autoregressive = dec.generate(prompts, new, budget=0, **kwargs)
+  alone = dec.generate([prompts[0]], new, budget=8, temperature=0.8, top_p=0.95, seed=11, stop_token_ids=[])
   assert alone.tokens[0] == batched.tokens[0]
   # Keys depend on (seed, position) only, so speculative sampling reproduces autoregressive sampling.
   assert batched.tokens == autoregressive.tokens
-  assert batched.tokens[0] != reference[0][0]  # sampling actually changed the output
+  assert batched.tokens[0] != reference[0][0][:new]  # sampling actually changed the output
 
 
 @pytest.mark.parametrize("kwargs, message", [
