@@ -360,6 +360,8 @@ def test_per_row_compact_grid_gives_the_full_grids_rows_and_tile_loads(fmt):
   cases = [(np.array([[1, E, 4, -1, 0, E, 5, 2]], np.int32), (1, 3)),  # 5 live pairs of 8, not in order
            (np.array([[E, E, 3, E, E, E, E, E]], np.int32), (3,)),  # a lone live pair, at index 2
            (np.full((1, 8), E, np.int32), (1,))]  # none: a step whose experts are all elsewhere
+  if fmt == "int4":  # the grid's logic does not depend on the format: INT4 runs the first case only
+    cases = cases[:1]
   for ids, grids in cases:
     ids = jnp.asarray(ids)
     want = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True)
