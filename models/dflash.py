@@ -739,6 +739,12 @@ def to_hf_state_dict(model: DFlashModel) -> dict[str, np.ndarray]:
   return out
 
 
+def hf_names(cfg: DFlashConfig) -> list[str]:
+  """The HF names of every tensor a drafter of ``cfg`` reads (``from_hf_state_dict``)."""
+  return ([name for name, _, _ in _TOP_ENTRIES]
+          + [f"layers.{i}.{name}" for i in range(cfg.num_hidden_layers) for name, _, _ in _LAYER_ENTRIES])
+
+
 def from_hf_state_dict(cfg: DFlashConfig, tensors: Mapping[str, np.ndarray]) -> DFlashModel:
   """Builds a drafter from HF-named tensors (KeyError / ValueError name the bad tensor)."""
   model = abstract_dflash(cfg)

@@ -195,6 +195,10 @@ def check_quantization_config(qc: Mapping[str, Any]) -> None:
   for key in ("input_activations", "output_activations"):
     if group.get(key):
       raise ValueError(f"quantization_config {key} are quantised: only weight-only INT4 is supported")
+  if weights.get("actorder") not in (None, False):
+    # Activation ordering permutes each row's groups (a weight_g_idx tensor): not K2.6's layout.
+    raise ValueError(f"quantization_config weights.actorder={weights.get('actorder')!r}: only INT4 without "
+                     "activation ordering is supported")
 
 
 # ---------------------------------------------------------------------------------------------

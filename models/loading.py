@@ -196,9 +196,15 @@ def stored_dtype(directory) -> str:
 
 
 def _stored_dtype(hf_config) -> str:
+  """The checkpoint's dtype from config.json: ``torch_dtype``, or ``dtype`` as transformers >= 4.56
+  writes it (in K2.6's ``text_config`` or at the top); bf16 where neither says."""
   text = hf_config.get("text_config", hf_config)
-  dtype = str(text.get("torch_dtype", hf_config.get("torch_dtype", "bfloat16")))
-  return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+  for config in (text, hf_config):
+    for key in ("torch_dtype", "dtype"):
+      if config.get(key) is not None:
+        dtype = str(config[key])
+        return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+  return "bfloat16"
 
 
 def bundled_models() -> list[str]:
@@ -243,4 +249,12 @@ def load_dflash(directory, **config_overrides):
   overrides.update(config_overrides)
   cfg = dflash.DFlashConfig.from_hf(hf_config, **overrides)
   reader = ShardReader(directory)
-  return dflash.from_hf_state_dict(cfg, {name: reader(name) for name in reader.names()})
+  expected = set(dflash.hf_names(cfg))
+  if "num_hidden_layers" not in config_overrides:  # else a deliberate partial load
+    unknown = sorted(n for n in reader.names() if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    if unknown:  # a drafter cut short by its config would load and only draft badly
+      raise CheckpointError(
+          f"{directory}: {len(unknown)} tensors of the checkpoint are not part of the drafter its config.json "
+          f"describes ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); does config.json match "
+          f"the weights (num_hidden_layers={cfg.num_hidden_layers})?")
+  return dflash.from_hf_state_dict(cfg, {name: reader(name) for name in reader.names() if name in expected})

@@ -148,6 +148,18 @@ def test_exported_safetensors_reload_to_identical_logits(tmp_path, target, draft
     cache = extend_in_chunks(model, dflash.init_cache(CFG, 1, 64), slots, features, [12])
     logits.append(np.asarray(_block_logits(model, embed, head, cache, slots, jnp.asarray([5]), jnp.asarray([12]))))
   np.testing.assert_array_equal(logits[0], logits[1])
+  # transformers >= 4.56 writes "dtype" for "torch_dtype": still a float32 drafter.
+  hf["dtype"] = hf.pop("torch_dtype")
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  assert loading.load_dflash(tmp_path).cfg.param_dtype == "float32"
+  # A config with fewer layers than the weights is refused by name (it would load and draft badly),
+  # unless the override asks for the cut.
+  assert CFG.num_hidden_layers > 1
+  (tmp_path / "config.json").write_text(json.dumps(dict(hf, num_hidden_layers=CFG.num_hidden_layers - 1)))
+  with pytest.raises(loading.CheckpointError, match=r"tensors of the checkpoint are not part of the drafter .*"
+                                                    r"layers\.1\.\S+.*num_hidden_layers=1"):
+    loading.load_dflash(tmp_path)
+  assert loading.load_dflash(tmp_path, num_hidden_layers=1).cfg.num_hidden_layers == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,6 +125,10 @@ def test_int4_model_saves_in_the_real_format_and_round_trips(tmp_path):
   loading.save_kimi(model, tmp_path, dtype="bfloat16")
   config = json.loads((tmp_path / "config.json").read_text())
   int4.check_quantization_config(config["quantization_config"])
+  ordered = json.loads(json.dumps(config["quantization_config"]))  # a copy with activation ordering
+  next(iter(ordered["config_groups"].values()))["weights"]["actorder"] = "group"
+  with pytest.raises(ValueError, match="actorder='group': only INT4 without activation ordering"):
+    int4.check_quantization_config(ordered)
   reader = loading.ShardReader(tmp_path)
   names = set(reader.names())
   assert names == set(hf_io.hf_names(CFG))

@@ -93,3 +93,16 @@ def test_a_deliberately_smaller_model_and_tied_heads_still_load(tmp_path, tensor
   assert fewer.cfg.num_hidden_layers == CFG.num_hidden_layers - 1
   write(tmp_path / "tied", tensors, dict(CFG.to_hf(), tie_word_embeddings=True))
   assert loading.load_kimi(tmp_path / "tied").cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"torch_dtype": "float32"}, "float32"),
+    ({"dtype": "float32"}, "float32"),  # transformers >= 4.56 writes "dtype"
+    ({"text_config": {"dtype": "float32"}, "torch_dtype": "bfloat16"}, "float32"),  # K2.6: the text model's own
+    ({"text_config": {}, "torch_dtype": "float32"}, "float32"),
+    ({}, "bfloat16"),
+    ({"torch_dtype": "int8"}, "bfloat16"),
+])
+def test_stored_dtype_reads_both_spellings(tmp_path, config, want):
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  assert loading.stored_dtype(tmp_path) == want
