@@ -279,10 +279,7 @@ class KimiConfig:
     if not isinstance(config, Mapping):
       raise ConfigError(f"from_hf expects a config.json dict, got {type(config).__name__}")
     outer = config  # K2.5/K2.6 keep quantization_config beside text_config
-    if "text_config" in config:
-      config = config["text_config"]
-      if not isinstance(config, Mapping):
-        raise ConfigError("config.json's text_config is not a dict")
+    config = text_model_config(config)
     required = [
         "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
         "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
@@ -387,3 +384,22 @@ class KimiConfig:
     if self.experts_int4:
       out["quantization_config"] = copy.deepcopy(int4.COMPRESSED_TENSORS_CONFIG)
     return out
+
+
+def text_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The text model's fields of an HF ``config.json`` dict: the dict itself, or K2.5/K2.6's
+  ``text_config`` inside it."""
+  if "text_config" not in config:
+    return config
+  text = config["text_config"]
+  if not isinstance(text, Mapping):
+    raise ConfigError("config.json's text_config is not a dict")
+  return text
+
+
+def eos_token_ids(config: Mapping[str, Any]) -> list[int]:
+  """Every end-of-sequence id an HF ``config.json`` dict lists (``KimiConfig.eos_token_id`` keeps
+  the first of a list); none where it lists none."""
+  listed = text_model_config(config).get("eos_token_id")
+  listed = listed if isinstance(listed, list) else [listed]
+  return [i for i in listed if isinstance(i, int) and not isinstance(i, bool)]

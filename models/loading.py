@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models import hf_io
-from models.config import KimiConfig
+from models.config import KimiConfig, text_model_config
 from models.kimi import KimiModel
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
@@ -198,8 +198,7 @@ def stored_dtype(directory) -> str:
 def _stored_dtype(hf_config) -> str:
   """The checkpoint's dtype from config.json: ``torch_dtype``, or ``dtype`` as transformers >= 4.56
   writes it (in K2.6's ``text_config`` or at the top); bf16 where neither says."""
-  text = hf_config.get("text_config", hf_config)
-  for config in (text, hf_config):
+  for config in (text_model_config(hf_config), hf_config):
     for key in ("torch_dtype", "dtype"):
       if config.get(key) is not None:
         dtype = str(config[key])

@@ -18,6 +18,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from ddtree_jax.train import tokenizer as tokenizer_lib
+from models import loading
+from models.config import eos_token_ids
 
 # The built-in template (the demo pair's; Kimi's turn format without thinking or tool blocks):
 #   [BOS when the tokenizer adds one]
@@ -100,13 +102,9 @@ class TextCodec:
     # KimiConfig keeps the first of a list of EOS ids; the others, and the tokenizer's own EOS
     # token, end a request too (a turn format whose end marker is not EOS would run on past it).
     extra = []
-    model_config = directory / "config.json"
-    if model_config.exists():
-      fields = json.loads(model_config.read_text())
-      fields = fields.get("text_config", fields) if isinstance(fields.get("text_config"), dict) else fields
-      listed = fields.get("eos_token_id")
+    if (directory / "config.json").exists():
       vocab = tok.get_vocab_size(with_added_tokens=True)
-      extra += [i for i in listed if isinstance(i, int) and 0 <= i < vocab] if isinstance(listed, list) else []
+      extra += [i for i in eos_token_ids(loading.read_json(directory / "config.json")) if 0 <= i < vocab]
     if special.get("eos_token") and tok.token_to_id(special["eos_token"]) is not None:
       extra.append(tok.token_to_id(special["eos_token"]))
     codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special,

@@ -82,23 +82,21 @@ def test_builtin_chat_template_uses_special_ids_and_reads_content_literally(code
     codec.chat_prompt([Message("robot", "x")])
 
 
-def test_checkpoint_jinja_template_is_rendered(tmp_path, codec):
+def checkpoint_codec(tmp_path, codec, template, **config):
   (tmp_path / "tokenizer.json").write_text(codec.tokenizer.to_str())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **config}))
+  return TextCodec.from_model_dir(tmp_path, eos_token_id=0)
+
+
+def test_checkpoint_jinja_template_is_rendered(tmp_path, codec):
   template = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>{% endfor %}"
               "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
-  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-  jinja = TextCodec.from_model_dir(tmp_path, eos_token_id=0)
+  jinja = checkpoint_codec(tmp_path, codec, template)
   assert jinja.template_name.startswith("checkpoint")
   tok = codec.tokenizer
   ids = jinja.chat_prompt([Message("user", "hello")])
   assert ids == ([tok.token_to_id("<|im_user|>")] + codec.encode("hello")
                  + [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_assistant|>")])
-
-
-def checkpoint_codec(tmp_path, codec, template, **config):
-  (tmp_path / "tokenizer.json").write_text(codec.tokenizer.to_str())
-  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **config}))
-  return TextCodec.from_model_dir(tmp_path, eos_token_id=0)
 
 
 def test_checkpoint_template_keeps_message_content_literal(tmp_path, codec):
