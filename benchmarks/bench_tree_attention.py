@@ -351,12 +351,6 @@ def variant_list():
   for cell in [(8, 8, 131072, 17), (64, 8, 131072, 9), (8, 32, 32768, 9)]:
     out.append((cell, "mixed lengths: off (pool's count)", dict(mixed=True, options=O(live_splits=False))))
     out.append((cell, "mixed lengths: live splits on", dict(mixed=True, options=O(live_splits=True))))
-  # Form "rows_m"'s schedule: warpgroup 0 computing every tile's scores and softmax ("chain", the
-  # default) against both warpgroups taking one tile of each pair ("seesaw"), same run.
-  for cell in [goal, (8, 1, 32768, 33), (8, 1, 32768, 65), (8, 1, 131072, 17), (8, 8, 32768, 17),
-               (8, 8, 32768, 33), (8, 32, 32768, 65), (64, 1, 32768, 17), (64, 8, 32768, 9)]:
-    out.append((cell, "schedule chain", dict(options=O(form="rows_m", schedule="chain"))))
-    out.append((cell, "schedule seesaw", dict(options=O(form="rows_m", schedule="seesaw"))))
   out += [(goal, "probe: no loads", dict(options=O(probe="noload"))),
           (goal, "probe: no compute", dict(options=O(probe="nocompute"))),
           (goal, "probe: no P V", dict(options=O(probe="nopv"))),

@@ -91,11 +91,12 @@ Layout of the work (why it is shaped this way):
     ~2 us per tile: the tensor cores idle during the softmax. The FlashAttention-3 remedy (issue
     S of tile i + 1 before the softmax of tile i) needs tile i + 1 resident while tile i is in
     use and its load started earlier, i.e. a third KV stage, which does not fit. The FlashMLA
-    remedy (both warpgroups compute S for alternate tiles and exchange the row maxima) is
-    ``Options.schedule="seesaw"``: correct, and its kernel 1.20-1.39x slower in every cell
-    timed (goal cell 41.8 against 30.0 us, ``bench_tree_attention_seesaw.md``). With one P
-    buffer (no room for a second) warpgroup 1 must finish its product with P_a before it can
-    hand over P_b, so each pair still runs both softmaxes and two products in one chain. The
+    remedy (both warpgroups compute S for alternate tiles and exchange the row maxima) was
+    built as a "seesaw" schedule: correct, and its kernel 1.20-1.39x slower in every cell
+    timed (goal cell 41.8 against 30.0 us, ``bench_tree_attention_seesaw.md``; removed on
+    2026-12-01, the code is in the history up to a381f5f). With one P buffer (no room for a
+    second) warpgroup 1 must finish its product with P_a before it can hand over P_b, so each
+    pair still runs both softmaxes and two products in one chain. The
     third row tile of q_len 17 (136 rows) holds 8 real rows of 64. A later run (same
     cell, ``bench_tree_attention_probes.md``): kernel 32.3 us, 31.6 without loads, 27.0 without
     P V, 18.7 without compute, and **20.4 without the partial-output stores** (probe "nostore";
@@ -248,15 +249,6 @@ class Options:
     warpgroups only wait for each tile and release it: the KV stream alone), "nosoftmax" (P = S,
     no masks, reductions or exponentials; form "rows_n" only), "nopv" (no V^T P^T products),
     "nostore" (the partial outputs are computed but not written; form "rows_m" only).
-  schedule: form "rows_m"'s compute warpgroups. "chain" (default): warpgroup 0 computes every
-    tile's scores and softmax and hands P to warpgroup 1 (``_kernel_rows_m``); "seesaw": the
-    tiles go in pairs and each warpgroup computes the scores and softmax of one tile of a pair,
-    so one's exponentials overlap the other's products (``_kernel_rows_m_seesaw``; probes
-    "nocompute" and "nopv" are not built into it). H200, same run (``bench_tree_attention_seesaw``),
-    per layer: seesaw 1.20-1.36x the chain's time in all 8 cells timed (h8 b1 32k q17 44.3
-    against 33.2 us; q33 57.7 / 47.5; q65 101.0 / 84.5; b8 q17 261.2 / 192.3; b32 q65 2953 /
-    2182; h64 b1 q17 192.3 / 149.0), same errors: the one P buffer makes warpgroup 1 finish
-    P_a's product before it hands P_b over, so the pair's softmaxes and products still chain.
   live_splits: split each request's live columns by a count chosen from the live lengths at run
     time (capped at the launched ``num_splits``, which the pool's length sets), not by the
     launched count: a short context in a long pool then runs few long splits instead of many of
@@ -287,7 +279,6 @@ class Options:
   epilogue: str = "auto"
   probe: str = ""
   live_splits: bool | str = "auto"
-  schedule: str = "chain"
   # Programmatic dependent launch for the attention and merge kernels (``gpu_info.pdl_prologue``):
   # each may launch while the kernel before it finishes, and waits for it before any read. H200:
   # no gain in five heads-8 cells (benchmarks/results/pdl.md: XLA's command buffer leaves no
@@ -385,8 +376,6 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     partial_dtype = "bfloat16" if bf16_queries else "float32"
   if options.form not in ("auto", "rows_n", "rows_m"):
     raise ValueError(f"unknown form {options.form!r}")
-  if options.schedule not in ("chain", "seesaw"):
-    raise ValueError(f"unknown schedule {options.schedule!r}")
   if len(options.regs) != 2 or any(r and not (24 <= r <= 256 and r % 8 == 0) for r in options.regs) or (
       sum(r or 232 for r in options.regs) + 40 > LAUNCH_REGISTERS * 3):
     raise ValueError(f"Options.regs={options.regs}: two register counts, each 0 (232) or a multiple of 8 "
@@ -402,8 +391,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
                           num_splits=num_splits, partial_dtype=partial_dtype,
                           auto_partials=auto_partials, rows_per_tile=rows_per_tile,
                           options=options,
-                          required=(options.form == "rows_m" or options.epilogue == "smem"
-                                    or options.schedule == "seesaw"))
+                          required=options.form == "rows_m" or options.epilogue == "smem")
     if options.form == "rows_m":
       return rows_m
   # Two value warpgroups when each half of Dv is still a whole number of 64-row wgmma tiles.
@@ -440,8 +428,7 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
   if rows_m is not None and rows_m.num_row_tiles <= num_row_tiles:
     return rows_m
   for applies, what in ((options.epilogue == "smem", "epilogue='smem'"),
-                        (options.probe == "nostore", "probe 'nostore'"),
-                        (options.schedule == "seesaw", "schedule='seesaw'")):
+                        (options.probe == "nostore", "probe 'nostore'")):
     if applies:  # never silently ignored: a variant that times the other form misleads
       raise ValueError(f"tree attention: {what} applies to form 'rows_m', and this call takes "
                        f"'rows_n' ({rows} rows per group); force form='rows_m' where it applies")
@@ -493,8 +480,6 @@ def _plan_rows_m(*, rows, q_len, num_work, key_dims, value_dim, shared_value, ca
     return fail(f"rows_per_tile must be {ROWS_M}, got {rows_per_tile}")
   if options.probe == "nosoftmax":
     return fail(f"probe {options.probe!r} applies to form='rows_n' only")
-  if options.schedule == "seesaw" and options.probe in ("nocompute", "nopv"):
-    return fail(f"probe {options.probe!r} is not built into schedule='seesaw'")
   # Warpgroup 0 owns half of O beside S and the softmax. A softmax-only warpgroup beside two
   # value warpgroups (4 warpgroups, pv="value_wg") does not compile: ptxas builds the whole kernel
   # for 65536 / 512 = 128 registers per thread, and a [64, 256] fp32 wgmma needs 154 (H200).
@@ -985,7 +970,7 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
 
 class _RowsMTools(NamedTuple):
-  """What both "rows_m" schedules do alike (``_rows_m_tools``)."""
+  """The "rows_m" kernel's steps (``_rows_m_tools``), kept apart from its schedule."""
   scores: object  # stage -> S = Q K^T of that KV stage, fp32 [64, 64]
   init_carry: object  # () -> (zero O half, row max -inf, row sum 0)
   finish_wg0: object  # (acc, m_run, l_run) -> 1 / l to warpgroup 1, O[:, :Dv/2] and the lse out
@@ -1027,8 +1012,7 @@ def _rows_m_tools(named: _Refs, plan: Plan, cta: _Cta, interpreted: bool, num_wo
       o_ref.at[bg, split, row_tile, :, columns][...] = out
       return
     # Staged in the query tile (same bf16 width as O): every read of it for S is over by now
-    # (warpgroup 0's and, in the seesaw, warpgroup 1's, which warpgroup 0 waited for; warpgroup
-    # 1 waits for "done" before its half).
+    # (warpgroup 0's; warpgroup 1 waits for "done" before its half).
     # A TMA store needs a contiguous tile, not one half's columns: warpgroup 0 stores both.
     q_smem[0].at[:, columns][...] = out
     plgpu.commit_smem()
@@ -1093,14 +1077,8 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
   shared memory, and accumulates ``O[:, :Dv/2] += P V[:, :Dv/2]`` with P from registers;
   warpgroup 1 accumulates ``O[:, Dv/2:]`` with P from shared memory; warpgroup 2 streams the
   tiles (``_stream_kv``). Refs as in ``_kernel`` (row tile 64, rows_stored 64).
-  ``Options.schedule="seesaw"`` runs ``_kernel_rows_m_seesaw`` instead.
   """
   named = _split_refs(refs, num_key_parts, shared_value)
-  if plan.options.schedule == "seesaw":
-    return _kernel_rows_m_seesaw(meta_ref, named, plan=plan, num_key_parts=num_key_parts,
-                                 shared_value=shared_value, num_groups=num_groups,
-                                 num_words=num_words, cache_len=cache_len, scale=scale,
-                                 interpreted=interpreted)
   p_smem, exchange = named.p_smem, named.exchange
   loaded, consumed, p_ready, p_free, q_barrier = (
       named.loaded, named.consumed, named.p_ready, named.p_free, named.q_barrier)
@@ -1189,167 +1167,6 @@ def _kernel_rows_m(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value
     tools.finish_wg1(lax.fori_loop(0, num_tiles, step, zero_acc()))
 
 
-def _kernel_rows_m_seesaw(meta_ref, named: _Refs, *, plan: Plan, num_key_parts: int,
-                          shared_value: bool, num_groups: int, num_words: int, cache_len: int,
-                          scale: float, interpreted: bool):
-  """"rows_m" with both compute warpgroups computing scores (``Options.schedule="seesaw"``).
-
-  The tiles go in pairs (a, b) = (2j, 2j + 1). Warpgroup 0 computes ``S_a`` and its softmax
-  against the running max, warpgroup 1 ``S_b`` against ``m_a``, so while one warpgroup
-  exponentiates the other's products run on the tensor cores. Each warpgroup owns half of ``O``
-  (0: ``[:, :Dv/2]``, 1: ``[:, Dv/2:]``) and adds both tiles' products to it: its own tile's P
-  from registers, the other's from the one shared P buffer, which the two hand back and forth
-  (P_a written by warpgroup 0 -> read by 1 -> P_b written by 1 -> read by 0 -> P_a' ...: each
-  write follows the other side's read, so one buffer serves). With each P goes its tile's row
-  max (``exchange[0]``: m_a, ``exchange[1]``: m_b). The row sums are kept per warpgroup (each
-  rescaled by every tile's factor) and added at the end. The tiles before the window's pair run
-  unmasked; from that pair on, masked; a last unpaired tile is warpgroup 0's alone (its P goes
-  to warpgroup 1 as in the chain schedule). Barriers: ``p_ready`` carries (m_a, P_a) to
-  warpgroup 1, ``p_free[0]`` (m_b, P_b) to warpgroup 0, ``p_free[1]`` warpgroup 1's row sum
-  at the end.
-  """
-  p_smem, exchange = named.p_smem, named.exchange
-  loaded, consumed, a_ready, q_barrier = named.loaded, named.consumed, named.p_ready, named.q_barrier
-  # Its own barrier for the final row sum: on the hand-off's, warpgroup 1 would arrive twice in a
-  # row after the last pair, before warpgroup 0 had observed the first (a phase lost).
-  b_ready, l_ready = named.p_free.at[0], named.p_free.at[1]
-  rows, bk = plan.rows_per_tile, BLOCK_KV
-  num_stages = plan.num_stages
-  regs0, regs1 = (r or 232 for r in plan.options.regs)
-  cta = _cta(meta_ref, plan=plan, num_groups=num_groups, num_words=num_words, cache_len=cache_len)
-  wg, hi, num_tiles, tile_start = cta.wg, cta.hi, cta.num_tiles, cta.tile_start
-  tools = _rows_m_tools(named, plan, cta, interpreted, num_words)
-  rescale, add_values, per_row = tools.rescale, tools.add_values, tools.per_row
-  # Pairs [0, unmasked_pairs) lie before the window; the rest run masked.
-  unmasked_pairs = cta.first_window_tile // 2
-  num_pairs = num_tiles // 2
-
-  def scores(i):
-    """S = Q K^T of tile i (its stage already loaded), fp32 [64, 64]."""
-    return tools.scores(lax.rem(i, num_stages))
-
-  def softmax(s, i, m_run, window: bool):
-    """Tile i's softmax against ``m_run``: (new max, rescale of the earlier tiles, P)."""
-    nominal, start = tile_start(i)
-    kv_iota = plgpu.broadcasted_iota(jnp.int32, (rows, bk), 1, layout=plgpu.Layout.WGMMA)
-    vis = _tile_visibility(kv_iota + start, tools.row_vector(0),
-                           (nominal, hi, tools.visible_window) if window else None)
-    return _online_softmax_tile(s, vis, m_run, scale, kv_axis=1)
-
-  def factor(m_old, m_new):
-    """The rescale from row max m_old to m_new, as ``_online_softmax_tile`` computes it."""
-    return jnp.exp2(m_old - jnp.where(m_new == -jnp.inf, 0.0, m_new))
-
-  def publish_and_add(slot: int, m_new, p16, barrier, acc, stage, half: int):
-    """Hand (m_new, P) to the other warpgroup and add this warpgroup's own P V[:, half]: from
-    registers after the hand-off; in the GPU interpreter, which takes a wgmma's A from shared
-    memory only, from the buffer before it (so the other side cannot overwrite it first)."""
-    exchange.at[slot][...] = m_new
-    p_smem[...] = p16
-    plgpu.commit_smem()
-    if interpreted:
-      acc = add_values(acc, p_smem, stage, half)
-      plgpu.barrier_arrive(barrier)
-      return acc
-    plgpu.barrier_arrive(barrier)
-    return add_values(acc, p16, stage, half)
-
-  def pair_wg0(j, carry, window: bool):
-    """Warpgroup 0's part of pair j: S_a and its softmax, (m_a, P_a) out, O_L += P_a V_a; then
-    (m_b, P_b) in, O_L rescaled to m_b and += P_b V_b."""
-    acc, m_run, l_run = carry
-    a, b = 2 * j, 2 * j + 1
-    stage_a, stage_b = lax.rem(a, num_stages), lax.rem(b, num_stages)
-    plgpu.barrier_wait(loaded.at[stage_a])
-    m_a, alpha_a, p = softmax(scores(a), a, m_run, window)
-    # The P buffer: warpgroup 0 read P_b of the pair before in its last product, which is done.
-    acc = publish_and_add(0, m_a, p.astype(jnp.bfloat16), a_ready, rescale(acc, alpha_a), stage_a, 0)
-    l_run = l_run * alpha_a + p.sum(axis=1)
-    plgpu.barrier_arrive(consumed.at[stage_a])
-    plgpu.barrier_wait(loaded.at[stage_b])
-    plgpu.barrier_wait(b_ready)
-    m_b = plgpu.load(exchange.at[1], layout=per_row)
-    alpha_b = factor(m_a, m_b)
-    acc = add_values(rescale(acc, alpha_b), p_smem, stage_b, 0)
-    plgpu.barrier_arrive(consumed.at[stage_b])
-    return acc, m_b, l_run * alpha_b
-
-  def pair_wg1(j, carry, window: bool):
-    """Warpgroup 1's part of pair j: S_b, then (m_a, P_a) in and S_b's softmax against m_a, O_R
-    rescaled to m_a and += P_a V_a, rescaled to m_b; (m_b, P_b) out, O_R += P_b V_b."""
-    acc, m_run, l_run = carry
-    a, b = 2 * j, 2 * j + 1
-    stage_a, stage_b = lax.rem(a, num_stages), lax.rem(b, num_stages)
-    plgpu.barrier_wait(loaded.at[stage_b])
-    s_b = scores(b)  # on the tensor cores while warpgroup 0 exponentiates S_a
-    plgpu.barrier_wait(a_ready)
-    m_a = plgpu.load(exchange.at[0], layout=per_row)
-    m_b, alpha_b, p = softmax(s_b, b, m_a, window)
-    alpha_a = factor(m_run, m_a)
-    plgpu.barrier_wait(loaded.at[stage_a])
-    acc = add_values(rescale(acc, alpha_a), p_smem, stage_a, 1)
-    plgpu.barrier_arrive(consumed.at[stage_a])
-    # P_a's product is done (its value was read back): the buffer takes P_b.
-    acc = publish_and_add(1, m_b, p.astype(jnp.bfloat16), b_ready, rescale(acc, alpha_b), stage_b, 1)
-    plgpu.barrier_arrive(consumed.at[stage_b])
-    return acc, m_b, (l_run * alpha_a) * alpha_b + p.sum(axis=1)
-
-  def pairs(first, count, window: bool, pair, carry):
-    return lax.fori_loop(first, first + count, functools.partial(pair, window=window), carry)
-
-  @cta.when(wg == 2)
-  def _memory_wg():
-    _stream_kv(plan=plan, refs=named, meta_ref=meta_ref, cta=cta, num_words=num_words,
-               shared_value=shared_value)
-
-  @cta.when(wg == 0)
-  def _wg0():
-    plgpu.set_max_registers(regs0, action="increase")
-    plgpu.barrier_wait(q_barrier)
-    carry = pairs(0, unmasked_pairs, False, pair_wg0, tools.init_carry())
-    carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, pair_wg0, carry)
-
-    def last_tile(_, carry):  # an unpaired last tile: warpgroup 0's scores, both halves of O
-      acc, m_run, l_run = carry
-      i = 2 * num_pairs
-      stage = lax.rem(i, num_stages)
-      plgpu.barrier_wait(loaded.at[stage])
-      m_new, alpha, p = softmax(scores(i), i, m_run, True)
-      acc = publish_and_add(0, m_new, p.astype(jnp.bfloat16), a_ready, rescale(acc, alpha), stage, 0)
-      plgpu.barrier_arrive(consumed.at[stage])
-      return acc, m_new, l_run * alpha + p.sum(axis=1)
-
-    acc, m_run, l_run = lax.fori_loop(0, num_tiles - 2 * num_pairs, last_tile, carry)
-    plgpu.barrier_wait(l_ready)  # warpgroup 1's row sum, in exchange[0]
-    tools.finish_wg0(acc, m_run, l_run + plgpu.load(exchange.at[0], layout=per_row))
-
-  @cta.when(wg == 1)
-  def _wg1():
-    plgpu.set_max_registers(regs1, action="increase")
-    plgpu.barrier_wait(q_barrier)
-    carry = pairs(0, unmasked_pairs, False, pair_wg1, tools.init_carry())
-    carry = pairs(unmasked_pairs, num_pairs - unmasked_pairs, True, pair_wg1, carry)
-
-    def last_tile(_, carry):
-      acc, m_run, l_run = carry
-      i = 2 * num_pairs
-      stage = lax.rem(i, num_stages)
-      plgpu.barrier_wait(loaded.at[stage])
-      plgpu.barrier_wait(a_ready)
-      m_new = plgpu.load(exchange.at[0], layout=per_row)
-      alpha = factor(m_run, m_new)
-      acc = add_values(rescale(acc, alpha), p_smem, stage, 1)
-      plgpu.barrier_arrive(consumed.at[stage])
-      return acc, m_new, l_run * alpha
-
-    acc, _, l_run = lax.fori_loop(0, num_tiles - 2 * num_pairs, last_tile, carry)
-    # exchange[0] was last written by warpgroup 0 (m_a or the last tile's max), and read above.
-    exchange.at[0][...] = l_run
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(l_ready)
-    tools.finish_wg1(acc)
-
-
 def _accumulate(issue, acc, interpreted: bool):
   """``acc + (what issue(acc_ref) adds)`` with the wgmma accumulating in place on the GPU.
 
@@ -1434,8 +1251,7 @@ def _attend(q_parts, key_pools, value_pool, slots, prefix_len, visibility, valid
                     num_barriers=stages),  # loaded
       plgpu.Barrier(num_arrivals=pl_.value_wgs, num_barriers=stages),  # consumed
       plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m else 2),  # p_ready
-      # p_free ("seesaw": (m_b, P_b) to warpgroup 0, then its own barrier for the final row sum)
-      plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m and pl_.options.schedule == "chain" else 2),
+      plgpu.Barrier(num_arrivals=1, num_barriers=1 if rows_m else 2),  # p_free
       plgpu.Barrier(num_arrivals=len(key_dims) + 1),  # q_barrier
       # done (with Options.epilogue="smem" a second: warpgroup 1's half of O staged)
       plgpu.Barrier(num_arrivals=1, num_barriers=2 if rows_m and pl_.options.epilogue == "smem" else 1),

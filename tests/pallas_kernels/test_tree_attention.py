@@ -502,25 +502,6 @@ def test_mla_rows_m_window_across_tiles(epilogue, partial_dtype):
   assert_matches(got, want, valid, atol=ATOL if partial_dtype == "float32" else ATOL_BF16_PARTIALS)
 
 
-@pytest.mark.parametrize("q_len,heads,cache_len,num_splits,epilogue,partial_dtype", [
-    # windows across tiles and splits, 2-3 tiles a split (pairs, a last unpaired tile), staged bf16
-    (33, 4, 221, 3, "smem", "bfloat16"),
-    (7, 3, 250, 8, "registers", "float32"),  # more splits than tiles: splits of 0 or 1 tiles
-    # The same logic over long splits (the first two cover it; 10 s more in interpret mode).
-    pytest.param(9, 8, 700, 1, "smem", "bfloat16", marks=pytest.mark.slow),  # 12 tiles (even): pairs only
-    pytest.param(9, 8, 660, 1, "registers", "float32", marks=pytest.mark.slow),  # 11 tiles: one unpaired
-])
-def test_mla_rows_m_seesaw_matches_reference(q_len, heads, cache_len, num_splits, epilogue, partial_dtype):
-  """``schedule="seesaw"`` (both warpgroups compute scores, P handed back and forth through one
-  buffer): against the reference with random trees and padding, even and odd tile counts, the
-  window inside and across pairs, empty splits; the race detector watches the hand-offs."""
-  rng = np.random.default_rng(40 + q_len + num_splits)
-  got, want, valid = run_mla(rng, batch=2, q_len=q_len, heads=heads, latent=128, rope=32,
-                             cache_len=cache_len, num_splits=num_splits, partial_dtype=partial_dtype,
-                             options=ta.Options(form="rows_m", epilogue=epilogue, schedule="seesaw"))
-  assert_matches(got, want, valid, atol=ATOL if partial_dtype == "float32" else ATOL_BF16_PARTIALS)
-
-
 def test_mla_rows_m_staged_epilogue_one_split_many_tiles():
   # One split over many KV tiles: the staged partial is the output itself (no merge after it),
   # bit for bit what the register stores of the same bf16 partials give.
@@ -547,14 +528,9 @@ def test_staged_epilogue_and_probe_are_never_silently_ignored():
             options=ta.Options(form="rows_m", epilogue="smem"))
   # 72 rows per group: "auto" takes "rows_n", which has no staged epilogue and no "nostore".
   nine = dict(kw, q_len=9)
-  for options in (ta.Options(epilogue="smem"), ta.Options(probe="nostore"), ta.Options(schedule="seesaw")):
+  for options in (ta.Options(epilogue="smem"), ta.Options(probe="nostore")):
     with pytest.raises(ValueError, match="applies to form 'rows_m'"):
       ta.plan(**nine, partial_dtype="bfloat16", options=options)
-  assert ta.plan(**kw, options=ta.Options(schedule="seesaw")).options.schedule == "seesaw"
-  with pytest.raises(ValueError, match="unknown schedule"):
-    ta.plan(**kw, options=ta.Options(schedule="pingpong"))
-  with pytest.raises(ValueError, match="not built into schedule='seesaw'"):
-    ta.plan(**kw, options=ta.Options(schedule="seesaw", probe="nopv"))
   assert ta.plan(**nine, options=ta.Options(form="rows_m", probe="nostore")).form == "rows_m"
   with pytest.raises(ValueError, match="unknown epilogue"):
     ta.plan(**kw, options=ta.Options(epilogue="tma"))

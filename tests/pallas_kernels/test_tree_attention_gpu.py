@@ -79,17 +79,6 @@ def test_mla_kimi_widths_fp32_partials(q_len):
   assert_matches(got, want, valid, atol=ATOL)
 
 
-@pytest.mark.parametrize("q_len,num_splits,partial_dtype", [(17, None, "auto"), (33, 1, "float32"),
-                                                          (65, 7, "auto")])
-def test_mla_seesaw_schedule_at_kimi_widths(q_len, num_splits, partial_dtype):
-  # Options.schedule="seesaw" (both warpgroups compute scores, P handed back and forth): against
-  # the reference; q33 in one split runs an odd or even number of tiles per request.
-  kw = dict(batch=3, q_len=q_len, heads=8, latent=512, rope=64, cache_len=3001 + q_len,
-            num_splits=num_splits, partial_dtype=partial_dtype)
-  got, want, valid = mla_case(q_len + 700, **kw, options=ta.Options(form="rows_m", schedule="seesaw"))
-  assert_matches(got, want, valid, atol=ATOL if partial_dtype == "float32" else ATOL_BF16_PARTIALS)
-
-
 @pytest.mark.parametrize("num_splits", [1, 5, 64])
 def test_mla_split_counts_and_64_heads(num_splits):
   got, want, valid = mla_case(100 + num_splits, batch=2, q_len=9, heads=64, latent=512, rope=64,
