@@ -20,7 +20,7 @@ import jax
 from ddtree_jax import drafters, engine, policies, policy_modules
 from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, loading
-from models.config import KERNEL_IMPLS, kernel_backend_error, kernel_dtype_error
+from models.config import EXPERT_FORMATS, KERNEL_IMPLS, expert_format_overrides, kernel_backend_error, kernel_dtype_error
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that stops after "\n" leaves the model at a token boundary it never saw in training.
@@ -52,6 +52,9 @@ def main(argv=None) -> int:
                       help="the target's tree attention: plain jnp (any backend) or the Pallas kernel (GPU)")
   parser.add_argument("--moe-impl", default="xla", choices=KERNEL_IMPLS,
                       help="the target's routed experts: ragged_dot (any backend) or the Pallas kernel (GPU)")
+  parser.add_argument("--experts", default="auto", choices=EXPERT_FORMATS,
+                      help="the target's routed experts: as stored (auto), quantised to INT4 group-32 on load "
+                           "(int4) or dequantised on load (dense)")
   args = parser.parse_args(argv)
   for name, ok in (("--budget", args.budget >= 0), ("--max-new-tokens", args.max_new_tokens > 0),
                    ("--temperature", args.temperature >= 0), ("--top-p", 0 < args.top_p <= 1),
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
   try:
     model_dir = loading.resolve_model_dir(args.model)
     target = loading.load_kimi(model_dir, dtype=args.dtype, param_dtype=args.dtype,
-                               attention_impl=args.attention_impl, moe_impl=args.moe_impl)
+                               **expert_format_overrides(args.experts), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     draft = loading.load_dflash(args.drafter, dtype=args.dtype, param_dtype=args.dtype)
     drafter_params = dflash.DFlashDrafter.params(draft, target)  # refuses a drafter of another target
   except (FileNotFoundError, KeyError, ValueError) as err:
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
   text = tokenizer_lib.decode(tok, [t for t in result.tokens[0] if t != eot])
   print(args.prompt + text)
   print("-" * 72)
-  print(f"{args.model} + {args.drafter}, policy {args.policy}, budget {args.budget}, {args.dtype}: "
+  experts = ", INT4 experts" if target.cfg.experts_int4 else ""
+  print(f"{args.model} + {args.drafter}, policy {args.policy}, budget {args.budget}, {args.dtype}{experts}: "
         f"{len(result.tokens[0])} tokens in {len(result.steps)} steps, mean accepted length "
         f"{result.mean_accepted_length:.2f}, decode {result.decode_time * 1e3:.0f} ms ({result.finish_reasons[0]})")
   if args.no_compare:

@@ -25,7 +25,7 @@ PROG = "python -m ddtree_jax.serve"
 
 
 def parse_args(argv=None):
-  from serve.config import KERNEL_IMPLS, ServeConfig  # pylint: disable=import-outside-toplevel
+  from serve.config import EXPERT_FORMATS, KERNEL_IMPLS, ServeConfig  # pylint: disable=import-outside-toplevel
   defaults = ServeConfig()
   policy_modules.load_from_argv(argv, PROG)  # before --spec's choices are listed
   # Whole flags only: --policy-module was read by its own pass, which an abbreviation would skip.
@@ -60,6 +60,9 @@ def parse_args(argv=None):
                       help="the target's tree attention: plain jnp (any backend) or the Pallas kernel (GPU)")
   parser.add_argument("--moe-impl", default=defaults.moe_impl, choices=KERNEL_IMPLS,
                       help="the target's routed experts: ragged_dot (any backend) or the Pallas kernel (GPU)")
+  parser.add_argument("--experts", default=defaults.experts, choices=EXPERT_FORMATS,
+                      help="the target's routed experts: as stored (auto), quantised to INT4 group-32 on load "
+                           "(int4) or dequantised on load (dense)")
   parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
   args = parser.parse_args(argv)
   try:
@@ -70,7 +73,8 @@ def parse_args(argv=None):
                          max_body_bytes=args.max_body_bytes, max_stop_ids=args.max_stop_ids,
                          dtype=args.dtype, prefill_chunk=args.prefill_chunk,
                          compile_cache_dir=args.compile_cache_dir, host=args.host, port=args.port,
-                         api_key=args.api_key, attention_impl=args.attention_impl, moe_impl=args.moe_impl)
+                         api_key=args.api_key, attention_impl=args.attention_impl, moe_impl=args.moe_impl,
+                         experts=args.experts)
     config.check_backend()
   except ValueError as err:
     parser.error(str(err))

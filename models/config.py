@@ -8,6 +8,17 @@ from typing import Any, Mapping
 from models import int4
 
 KERNEL_IMPLS = ("xla", "pallas")  # KimiConfig.attention_impl, moe_impl
+# How the routed experts are held, whatever the checkpoint stores: ``auto`` as stored, ``int4``
+# quantised on load from a dense checkpoint (symmetric group-32), ``dense`` dequantised on load
+# from an INT4 one (in param_dtype).
+EXPERT_FORMATS = ("auto", "int4", "dense")
+
+
+def expert_format_overrides(experts: str) -> dict:
+  """``load_kimi`` overrides for an ``EXPERT_FORMATS`` choice (command lines' ``--experts``)."""
+  if experts not in EXPERT_FORMATS:
+    raise ValueError(f"experts {experts!r}: expected one of {EXPERT_FORMATS}")
+  return {} if experts == "auto" else {"experts_int4": experts == "int4"}
 
 
 def kernel_backend_error(backend: str, **impls: str) -> str | None:

@@ -5,7 +5,8 @@ are stacked ``[E, in, out]`` here and one tensor per expert there. Layers are st
 then MoE) here and numbered ``model.layers.{i}`` there. INT4 experts (``cfg.experts_int4``) are
 ``weight_packed`` / ``weight_scale`` / ``weight_shape`` per expert there (compressed-tensors, as
 K2.6 ships them) and ``int4.Int4Matrix`` stacks here; a model with dense experts loads an INT4
-checkpoint by dequantising it.
+checkpoint by dequantising it, and a model with INT4 experts a bf16 checkpoint by quantising it
+(symmetric group-32, ``int4.quantize_int4``).
 """
 
 from typing import Callable, Iterator, Mapping
@@ -192,7 +193,7 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
       packed = has_tensor(f"model.layers.{first}.mlp.experts.0.gate_proj.weight_packed")
       for proj, ours in _EXPERT_STACKS:
         k_in, n_out = in_out[proj]
-        if cfg.experts_int4 or packed:
+        if packed:
           layers = []  # one conversion per layer, of all its experts at once
           for i in range(count):
             packed_scale = [read_int4_expert(first + i, e, proj, n_out, k_in) for e in range(cfg.n_routed_experts)]
@@ -204,12 +205,32 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
           else:  # a dense-expert model from an INT4 checkpoint: the format's bf16 weights
             put((stack, "mlp", ours), jnp.stack([int4.dequantize_int4(m) for m in layers]))
         else:
-          put((stack, "mlp", ours), np.stack([
-              np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", (k_in, n_out), True)
-                        for e in range(cfg.n_routed_experts)]) for i in range(count)]))
+          def layer_weights(i):  # [E, K, N]
+            return np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", (k_in, n_out), True)
+                             for e in range(cfg.n_routed_experts)])
+          if cfg.experts_int4:  # a bf16 checkpoint served with INT4 experts: quantised on load
+            layers = [_quantize_layer(layer_weights(i)) for i in range(count)]
+            _get(target, (stack, "mlp"))[ours + "_words"] = jnp.stack([m.words for m in layers])
+            _get(target, (stack, "mlp"))[ours + "_scale"] = jnp.stack([m.scale for m in layers])
+          else:
+            put((stack, "mlp", ours), np.stack([layer_weights(i) for i in range(count)]))
   state = abstract_state
   nnx.replace_by_pure_dict(state, target)
   return nnx.merge(graphdef, state)
+
+
+# Experts quantised at a time on load: [32, 7168, 2048] float32 is 1.9 GB at K2.6's widths.
+QUANTIZE_EXPERTS_PER_CALL = 32
+
+
+def _quantize_layer(w: np.ndarray) -> int4.KernelInt4Matrix:
+  """One layer's routed experts [E, K, N] (HF values, any float dtype) -> INT4 group-32 in the
+  kernel's layout, by ``int4.quantize_int4`` (scale = max|w| / 7 per group, bf16), a slice of
+  experts at a time so that the float32 intermediate stays small."""
+  parts = [int4.to_kernel_layout(int4.quantize_int4(jnp.asarray(w[e:e + QUANTIZE_EXPERTS_PER_CALL], jnp.float32)))
+           for e in range(0, w.shape[0], QUANTIZE_EXPERTS_PER_CALL)]
+  return int4.KernelInt4Matrix(words=jnp.concatenate([m.words for m in parts]),
+                               scale=jnp.concatenate([m.scale for m in parts]), in_features=parts[0].in_features)
 
 
 def from_hf_state_dict(cfg: KimiConfig, state_dict: Mapping[str, np.ndarray], *, prefix: str = "") -> KimiModel:

@@ -75,16 +75,25 @@ def quantize_int4(w) -> Int4Matrix:
   Args:
     w: [E, K, N] float (K a multiple of 32).
   Returns:
-    ``Int4Matrix`` with scale = max|w| / 7 per (expert, group, output) and q = round(w / scale)
-    clipped to -8..7.
+    ``Int4Matrix`` with scale = max|w| / 7 per (expert, group, output) (bf16) and q = w / scale
+    rounded half to even (exactly) and clipped to -8..7.
   """
   e, k, n = w.shape
   if k % GROUP_SIZE:
     raise ValueError(f"quantize_int4: input features K={k} must be a multiple of {GROUP_SIZE}")
   groups = w.astype(jnp.float32).reshape(e, k // GROUP_SIZE, GROUP_SIZE, n)
   scale = (jnp.max(jnp.abs(groups), axis=2) / 7.0).astype(jnp.bfloat16)  # [E, G, N]
-  safe = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
-  q = jnp.clip(jnp.round(groups / safe[:, :, None, :]), -8, 7)
+  # round-half-even(w / scale) clipped to -8..7, without dividing: XLA's vectorised f32 divide is
+  # not correctly rounded on every backend (on the CPU a quotient of bf16 values that is exactly
+  # n + 0.5 comes out one ulp high and rounds away from even). The boundaries (n + 0.5) * scale
+  # are exact in f32 (scale has 8 significant bits), so comparing against them is exact; q counts
+  # the boundaries below w, a boundary w sits on counting when n + 1 is even.
+  s = scale.astype(jnp.float32)[:, :, None, :]
+  q = jnp.full(groups.shape, -8, jnp.int32)
+  for n_below in range(-8, 7):
+    boundary = (n_below + 0.5) * s
+    q += (groups > boundary) | ((groups == boundary) & ((n_below + 1) % 2 == 0))
+  q = jnp.where(s == 0, 0, q)  # an all-zero group: every boundary is 0
   q = q.reshape(e, k, n).transpose(0, 2, 1).astype(jnp.int4)
   return Int4Matrix(q=q, scale=scale)
 

@@ -8,7 +8,7 @@ import jax
 
 from ddtree_jax import drafters, engine, policies
 from models import dflash, loading
-from models.config import KERNEL_IMPLS, kernel_backend_error, kernel_dtype_error
+from models.config import EXPERT_FORMATS, KERNEL_IMPLS, expert_format_overrides, kernel_backend_error, kernel_dtype_error
 from serve.engine_loop import BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env
 from serve.metrics import Metrics
 from serve.text import TextCodec
@@ -35,6 +35,9 @@ class ServeConfig:
     api_key: when set, requests need ``Authorization: Bearer <api_key>``.
     attention_impl, moe_impl: the target's tree attention and routed experts: ``xla`` (plain jnp,
       any backend) or ``pallas`` (the Mosaic GPU kernels; GPU only: ``check_backend``).
+    experts: the routed experts as the checkpoint stores them (``auto``), quantised to INT4 on
+      load (``int4``: a bf16 checkpoint in about a quarter of the memory) or dequantised
+      (``dense``); ``models.config.EXPERT_FORMATS``.
   """
 
   model: str = "kimi-demo"
@@ -57,6 +60,7 @@ class ServeConfig:
   api_key: str | None = None
   attention_impl: str = "xla"
   moe_impl: str = "xla"
+  experts: str = "auto"
   faults: str | None = None  # DDTREE_JAX_FAULTS syntax; tests only
 
   def __post_init__(self):
@@ -80,6 +84,7 @@ class ServeConfig:
     for name in ("attention_impl", "moe_impl"):
       if getattr(self, name) not in KERNEL_IMPLS:
         raise ValueError(f"{name} {getattr(self, name)!r}: expected one of {KERNEL_IMPLS}")
+    expert_format_overrides(self.experts)  # names a format that does not exist
     if self.dtype != "auto":
       error = kernel_dtype_error(self.dtype, attention_impl=self.attention_impl, moe_impl=self.moe_impl)
       if error:
@@ -126,7 +131,8 @@ def build_engine(config: ServeConfig) -> Engine:
     error = kernel_dtype_error(stored, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
     if error:
       raise ValueError(f"{error} (the checkpoint is stored in {stored}: pass --dtype bfloat16)")
-  target = loading.load_kimi(model_dir, **dtype, attention_impl=config.attention_impl, moe_impl=config.moe_impl)
+  target = loading.load_kimi(model_dir, **dtype, **expert_format_overrides(config.experts),
+                             attention_impl=config.attention_impl, moe_impl=config.moe_impl)
   if config.max_context > target.cfg.max_position_embeddings:
     raise ValueError(f"--max-context {config.max_context} exceeds the model's max_position_embeddings "
                      f"{target.cfg.max_position_embeddings}")

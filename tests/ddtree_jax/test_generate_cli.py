@@ -16,10 +16,23 @@ def test_a_short_greedy_run_is_identical_to_plain_decoding(capsys):
   assert "speculative output identical (greedy)" in out
 
 
+def test_experts_quantised_on_load_stay_lossless_and_accepted(capsys):
+  """``--experts int4`` serves the bf16 demo checkpoint with INT4 experts: the speculative stream
+  equals plain decoding of that (quantised) target, and its drafter is still accepted."""
+  code = generate.main(["--max-new-tokens", "12", "--budget", "4", "--prompt", "import json", "--experts", "int4"])
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "budget 4, float32, INT4 experts: 12 tokens in " in out
+  steps = int(out.split("12 tokens in ")[1].split(" steps")[0])
+  assert steps <= 8  # more than one token a step: the quantised target still agrees with the drafter
+  assert "speculative output identical (greedy)" in out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--moe-impl", "pallas"], "moe_impl='pallas' runs a Mosaic GPU kernel and needs a GPU backend, not 'cpu'"),
     (["--attention-impl", "pallas"], "attention_impl='pallas' runs a Mosaic GPU kernel and needs a GPU backend"),
     (["--attention-impl", "triton"], "invalid choice: 'triton'"),
+    (["--experts", "fp8"], "argument --experts: invalid choice: 'fp8'"),
     (["--budget", "-1"], "--budget out of range: -1"),
     (["--top-p", "0"], "--top-p out of range: 0.0"),
     (["--seed", "-1"], "--seed out of range: -1"),

@@ -80,6 +80,32 @@ def write_k26_style_checkpoint(directory, cfg_dense: KimiConfig, seed: int):
   return expected
 
 
+def test_quantize_int4_matches_numpy_at_exact_ties():
+  """``int4.quantize_int4`` against numpy's correctly rounded divide and half-to-even rounding,
+  bit for bit, on bf16 weights where w / scale is often exactly n + 0.5 (a bf16 checkpoint has
+  such ties; a divide one ulp off rounds them away from even), plus an all-zero group."""
+  rng = np.random.default_rng(3)
+  # Each group: scale S with a few significant bits (not a power of two, so the divide rounds),
+  # one weight 7 S (so scale = max / 7 = S exactly) and the rest k S / 2 for k in -16..14: exact
+  # in bf16, with w / scale on a half for every odd k.
+  step = rng.choice([3, 5, 7, 11, 13, 15], (3, 2, 1, 24)) * np.float32(2.0 ** -8)
+  step[:, :, :, :3] *= np.float32(2.0 ** -20)  # small magnitudes: the boundaries scale with them
+  halves = rng.integers(-16, 15, (3, 2, 32, 24)).astype(np.float32) / 2
+  halves[:, :, 0, :] = 7
+  w = (halves * step).reshape(3, 64, 24)
+  assert (w.astype(ml_dtypes.bfloat16).astype(np.float32) == w).all()
+  w[1, 32:, 5] = 0
+  m = int4.quantize_int4(jnp.asarray(w))
+  groups = w.reshape(3, 2, 32, 24)
+  scale = (np.abs(groups).max(axis=2) / np.float32(7)).astype(ml_dtypes.bfloat16).astype(np.float32)
+  quotient = groups / np.where(scale == 0, 1, scale)[:, :, None, :]
+  q_want = np.clip(np.round(quotient), -8, 7).reshape(3, 64, 24).transpose(0, 2, 1)
+  assert (np.abs(quotient - np.trunc(quotient)) == 0.5).sum() > 100  # the case under test occurs
+  np.testing.assert_array_equal(np.asarray(m.scale.astype(jnp.float32)), scale)
+  np.testing.assert_array_equal(np.asarray(m.q).astype(np.int32), q_want.astype(np.int32))
+  assert (np.asarray(m.q)[1, 5, 32:] == 0).all()
+
+
 def test_compressed_tensors_packing_matches_the_format():
   rng = np.random.default_rng(1)
   w = rng.standard_normal((3, 40, 64)).astype(np.float32)  # [E, out, in]
@@ -150,6 +176,50 @@ def test_int4_model_saves_in_the_real_format_and_round_trips(tmp_path):
                "experts_down_scale"):
     np.testing.assert_array_equal(np.asarray(getattr(mlp, attr)[...]).astype(np.float32),
                                   np.asarray(getattr(mlp_back, attr)[...]).astype(np.float32), err_msg=attr)
+
+
+def test_bf16_checkpoint_quantised_on_load_equals_the_same_weights_quantised_offline(tmp_path, monkeypatch):
+  """``experts_int4=True`` on a bf16 checkpoint quantises its routed experts on load; the model equals
+  (experts bit for bit, logits) the one loaded from the INT4 checkpoint this file's own packer
+  writes from the same bf16 weights. Two experts a quantisation call, so slices are joined."""
+  cfg_dense = KimiConfig.tiny()
+  dense = kimi.init_model(cfg_dense, seed=9)
+  bf16_dir, int4_dir = tmp_path / "bf16", tmp_path / "int4"
+  bf16_dir.mkdir()
+  int4_dir.mkdir()
+  loading.save_kimi(dense, bf16_dir, dtype="bfloat16")
+  tensors = {}
+  reader = loading.ShardReader(bf16_dir)
+  for name in reader.names():
+    value = np.asarray(reader(name))
+    if ".mlp.experts." in name:
+      packed, scale, _ = numpy_quantize_and_pack(value.astype(np.float32))
+      base = name[:-len("weight")]
+      tensors.update({base + "weight_packed": packed, base + "weight_scale": scale,
+                      base + "weight_shape": np.array(value.shape, np.int64)})
+    else:
+      tensors[name] = value
+  save_file(tensors, str(int4_dir / "model.safetensors"), metadata={"format": "pt"})
+  config = json.loads((bf16_dir / "config.json").read_text())
+  config["quantization_config"] = copy.deepcopy(int4.COMPRESSED_TENSORS_CONFIG)
+  (int4_dir / "config.json").write_text(json.dumps(config))
+
+  monkeypatch.setattr(hf_io, "QUANTIZE_EXPERTS_PER_CALL", 2)
+  quantised = loading.load_kimi(bf16_dir, dtype="float32", experts_int4=True)
+  offline = loading.load_kimi(int4_dir, dtype="float32")
+  assert quantised.cfg.experts_int4 and offline.cfg.experts_int4
+  mlp, want = quantised.moe_layers.mlp, offline.moe_layers.mlp
+  for attr in ("experts_gate_words", "experts_up_words", "experts_down_words", "experts_gate_scale",
+               "experts_up_scale", "experts_down_scale"):
+    np.testing.assert_array_equal(np.asarray(getattr(mlp, attr)[...]).astype(np.float32),
+                                  np.asarray(getattr(want, attr)[...]).astype(np.float32), err_msg=attr)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg_dense.vocab_size, (2, 7)), jnp.int32)
+  valid = jnp.ones((2, 7), bool)
+  got = np.asarray(kimi.train_forward(quantised, tokens, valid).logits)
+  np.testing.assert_array_equal(got, np.asarray(kimi.train_forward(offline, tokens, valid).logits))
+  # Quantised, not copied: the logits move off the bf16 model's (the experts' weights changed).
+  assert not np.array_equal(got, np.asarray(kimi.train_forward(
+      loading.load_kimi(bf16_dir, dtype="float32"), tokens, valid).logits))
 
 
 @pytest.mark.parametrize("change, message", [

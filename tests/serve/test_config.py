@@ -20,6 +20,15 @@ def test_bad_kernel_impls_are_refused_by_name():
       ServeConfig(**{name: "triton"})
 
 
+def test_bad_expert_format_is_refused_by_name(capsys):
+  with pytest.raises(ValueError, match=r"experts 'fp8': expected one of \('auto', 'int4', 'dense'\)"):
+    ServeConfig(experts="fp8")
+  with pytest.raises(SystemExit) as exit_info:
+    serve_cli.parse_args(["--experts", "fp8"])
+  assert exit_info.value.code == 2
+  assert "argument --experts: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 def test_pallas_needs_a_gpu_backend():
   ServeConfig().check_backend("cpu")  # xla runs anywhere
   for name in ("attention_impl", "moe_impl"):
@@ -34,7 +43,9 @@ def test_cli_flags_set_the_kernels(monkeypatch):
   config, _ = serve_cli.parse_args(["--attention-impl", "pallas", "--moe-impl", "pallas"])
   assert (config.attention_impl, config.moe_impl) == ("pallas", "pallas")
   config, _ = serve_cli.parse_args([])
-  assert (config.attention_impl, config.moe_impl) == ("xla", "xla")
+  assert (config.attention_impl, config.moe_impl, config.experts) == ("xla", "xla", "auto")
+  config, _ = serve_cli.parse_args(["--experts", "int4"])
+  assert config.experts == "int4"
 
 
 def test_cli_refuses_pallas_off_the_gpu(monkeypatch, capsys):
@@ -84,6 +95,12 @@ def test_build_engine_passes_the_kernels_to_the_target(monkeypatch):
   with pytest.raises(Stop):
     serve_config.build_engine(ServeConfig(attention_impl="pallas", moe_impl="pallas", dtype="bfloat16"))
   assert seen == {"dtype": "bfloat16", "param_dtype": "bfloat16", "attention_impl": "pallas", "moe_impl": "pallas"}
+  for experts, overrides in (("int4", {"experts_int4": True}), ("dense", {"experts_int4": False}), ("auto", {})):
+    seen.clear()
+    with pytest.raises(Stop):
+      serve_config.build_engine(ServeConfig(experts=experts, dtype="bfloat16"))
+    assert seen == {"dtype": "bfloat16", "param_dtype": "bfloat16", "attention_impl": "xla", "moe_impl": "xla",
+                    **overrides}, experts
 
 
 def test_server_thread_refuses_pallas_off_the_gpu_before_it_starts(monkeypatch):
