@@ -147,6 +147,13 @@ def load_kimi(directory, **config_overrides) -> KimiModel:
   cfg = KimiConfig.from_hf(hf_config, **overrides)
   reader = ShardReader(directory)
   prefix = hf_io.detect_prefix(reader.names())
+  packed_elsewhere = sorted(name for name in reader.names() if name.startswith(prefix) and name.endswith(".weight_packed")
+                            and not _EXPERT_TENSOR.match(name[len(prefix):]))
+  if packed_elsewhere:  # a scheme whose ignore list leaves more than the routed experts quantised
+    raise CheckpointError(
+        f"{directory}: {packed_elsewhere[0]}{f' and {len(packed_elsewhere) - 1} more' if len(packed_elsewhere) > 1 else ''} "
+        "INT4-packed, but only the routed experts may be (K2.6's scheme: attention, dense and shared-expert "
+        "layers and lm_head stay bf16; compare quantization_config's ignore list with K2.6's)")
   if not STRUCTURAL_OVERRIDES & set(config_overrides):  # else a deliberate partial load
     unknown = _unaccounted_tensors(reader.names(), prefix, hf_config, cfg)
     if unknown:  # checked by name before anything is read: a 600 GB load fails at once

@@ -146,6 +146,23 @@ def test_k26_checkpoint_loads_packed_and_dequantised(tmp_path):
   assert np.isfinite(np.asarray(a)).all()
 
 
+def test_int4_packed_tensors_outside_the_routed_experts_are_refused_by_name(tmp_path):
+  """A scheme whose ignore list leaves an attention projection quantised: refused naming the
+  tensor and the scheme, before any tensor is read (not as a tensor the config has no place for)."""
+  write_k26_style_checkpoint(tmp_path, KimiConfig.tiny(), seed=5)
+  path = tmp_path / "model.safetensors"
+  with safe_open(str(path), "np") as f:
+    tensors = {name: f.get_tensor(name) for name in f.keys()}
+  name = "language_model.model.layers.1.self_attn.q_a_proj"
+  packed, scale, _ = numpy_quantize_and_pack(tensors.pop(name + ".weight").astype(np.float32))
+  tensors.update({name + ".weight_packed": packed, name + ".weight_scale": scale,
+                  name + ".weight_shape": np.array([packed.shape[0], packed.shape[1] * 8], np.int64)})
+  save_file(tensors, str(path), metadata={"format": "pt"})
+  with pytest.raises(loading.CheckpointError, match=f"{name}.weight_packed INT4-packed, but only the routed "
+                     "experts may be .* quantization_config's ignore list"):
+    loading.load_kimi(tmp_path, dtype="float32")
+
+
 def test_int4_model_saves_in_the_real_format_and_round_trips(tmp_path):
   model = kimi.init_model(CFG, seed=2)
   loading.save_kimi(model, tmp_path, dtype="bfloat16")
