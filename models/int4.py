@@ -82,20 +82,29 @@ def quantize_int4(w) -> Int4Matrix:
   if k % GROUP_SIZE:
     raise ValueError(f"quantize_int4: input features K={k} must be a multiple of {GROUP_SIZE}")
   groups = w.astype(jnp.float32).reshape(e, k // GROUP_SIZE, GROUP_SIZE, n)
-  scale = (jnp.max(jnp.abs(groups), axis=2) / 7.0).astype(jnp.bfloat16)  # [E, G, N]
+  scale_f32 = _round_to_bf16(jnp.max(jnp.abs(groups), axis=2) / 7.0)  # [E, G, N]
   # round-half-even(w / scale) clipped to -8..7, without dividing: XLA's vectorised f32 divide is
   # not correctly rounded on every backend (on the CPU a quotient of bf16 values that is exactly
   # n + 0.5 comes out one ulp high and rounds away from even). The boundaries (n + 0.5) * scale
   # are exact in f32 (scale has 8 significant bits), so comparing against them is exact; q counts
   # the boundaries below w, a boundary w sits on counting when n + 1 is even.
-  s = scale.astype(jnp.float32)[:, :, None, :]
+  s = scale_f32[:, :, None, :]
   q = jnp.full(groups.shape, -8, jnp.int32)
   for n_below in range(-8, 7):
     boundary = (n_below + 0.5) * s
     q += (groups > boundary) | ((groups == boundary) & ((n_below + 1) % 2 == 0))
   q = jnp.where(s == 0, 0, q)  # an all-zero group: every boundary is 0
   q = q.reshape(e, k, n).transpose(0, 2, 1).astype(jnp.int4)
-  return Int4Matrix(q=q, scale=scale)
+  return Int4Matrix(q=q, scale=scale_f32.astype(jnp.bfloat16))  # exact: already a bf16 value
+
+
+def _round_to_bf16(x):
+  """float32 -> float32 holding the nearest bf16 value (half to even; finite inputs), by integer
+  operations: under jit XLA's GPU compiler drops a float32 -> bf16 -> float32 round trip inside a
+  fusion (excess precision), which compared w against the unrounded scale (seen on the H200)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & 1)) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def dequantize_int4(m, dtype=jnp.bfloat16):
