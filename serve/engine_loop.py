@@ -191,6 +191,9 @@ class EngineLoop:
     self._running = 0  # rows in use: set at the end of each turn, raised as each admission lands (read by ``submit``)
     self._waiting: collections.deque[Job] = collections.deque()
     self._jobs: dict[engine.Request, Job] = {}
+    # Requests kept out of the metrics (the warm-up's), remembered past their jobs: a step already
+    # dispatched when its job ends is read back after.
+    self._uncounted: set[engine.Request] = set()
     self._batch = engine.Batch(decoder, decoder.batch_buckets[0])
     self._pending = None
     self._stop = threading.Event()
@@ -273,8 +276,10 @@ class EngineLoop:
         log.exception("reading a step failed")
         self._fail_running(err)
         return
-      self._observe(stats)
-      self._publish([r for r in handle[2] if r is not None])
+      requests = [r for r in handle[2] if r is not None]
+      if not all(r in self._uncounted for r in requests):  # the warm-up's steps stay out of the metrics
+        self._observe(stats)
+      self._publish(requests)
     if step_error is not None:
       log.warning("engine step failed: %s", step_error)
       self._fail_running(step_error)
@@ -343,6 +348,8 @@ class EngineLoop:
       self._jobs[job.request] = job
       if job.counted:
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
+      else:
+        self._uncounted.add(job.request)
 
   def _observe(self, stats: engine.StepStats) -> None:
     self.metrics.step_seconds.labels(str(stats.budget)).observe(stats.step_time)

@@ -115,9 +115,10 @@ def test_cli_server_reports_loading_then_ready(plain_server):
   assert (503, "loading") in statuses and statuses[-1] == (200, "ok")
   models = httpx.get(url + "/v1/models").json()
   assert models["data"][0]["id"] == "kimi-demo" and models["data"][0]["spec"] == "none"
-  # The warm-up request ran through the engine but is not traffic: no request or token counted.
-  for name in ("ddtree_prompt_tokens_total", "ddtree_generated_tokens_total"):
+  # The warm-up request ran through the engine but is not traffic: no request, token or step counted.
+  for name in ("ddtree_prompt_tokens_total", "ddtree_generated_tokens_total", "ddtree_acceptance_length_count"):
     assert metric(url, name) == 0, name
+  assert "ddtree_step_seconds_count{" not in httpx.get(url + "/metrics").text  # no budget's step observed
   assert all(metric(url, "ddtree_finished_requests_total", f'reason="{r}"') == 0
              for r in ("stop", "length", "cancelled", "error"))
   assert re.search(r"^ddtree_generated_tokens_total ", httpx.get(url + "/metrics").text, re.M)  # really exported
