@@ -209,7 +209,8 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
             return np.stack([read(f"model.layers.{first + i}.mlp.experts.{e}.{proj}.weight", (k_in, n_out), True)
                              for e in range(cfg.n_routed_experts)])
           if cfg.experts_int4:  # a bf16 checkpoint served with INT4 experts: quantised on load
-            layers = [_quantize_layer(layer_weights(i)) for i in range(count)]
+            layers = [_quantize_layer(layer_weights(i), f"model.layers.{first + i}.mlp.experts.{{expert}}.{proj}.weight")
+                      for i in range(count)]
             _get(target, (stack, "mlp"))[ours + "_words"] = jnp.stack([m.words for m in layers])
             _get(target, (stack, "mlp"))[ours + "_scale"] = jnp.stack([m.scale for m in layers])
           else:
@@ -219,14 +220,18 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
   return nnx.merge(graphdef, state)
 
 
-# Experts quantised at a time on load: [32, 7168, 2048] float32 is 1.9 GB at K2.6's widths.
+# Experts quantised at a time on load: at K2.6's widths a slice's float32 copy, int32 nibbles and
+# packed words are 1.9 + 1.9 + 0.9 GB on the device at once.
 QUANTIZE_EXPERTS_PER_CALL = 32
 
 
-def _quantize_layer(w: np.ndarray) -> int4.KernelInt4Matrix:
+def _quantize_layer(w: np.ndarray, name: str) -> int4.KernelInt4Matrix:
   """One layer's routed experts [E, K, N] (HF values, any float dtype) -> INT4 group-32 in the
   kernel's layout, by ``int4.quantize_int4`` (scale = max|w| / 7 per group, bf16), a slice of
-  experts at a time so that the float32 intermediate stays small."""
+  experts at a time to bound the device memory it takes. ``name`` (the tensors') for errors."""
+  if not np.isfinite(w).all():  # inf or NaN would quantise into a NaN group
+    expert = int(np.argwhere(~np.isfinite(w))[0][0])
+    raise ValueError(f"{name.format(expert=expert)} has non-finite values: it cannot be quantised to INT4")
   parts = [int4.to_kernel_layout(int4.quantize_int4(jnp.asarray(w[e:e + QUANTIZE_EXPERTS_PER_CALL], jnp.float32)))
            for e in range(0, w.shape[0], QUANTIZE_EXPERTS_PER_CALL)]
   return int4.KernelInt4Matrix(words=jnp.concatenate([m.words for m in parts]),

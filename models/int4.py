@@ -76,7 +76,8 @@ def quantize_int4(w) -> Int4Matrix:
     w: [E, K, N] float (K a multiple of 32).
   Returns:
     ``Int4Matrix`` with scale = max|w| / 7 per (expert, group, output) (bf16) and q = w / scale
-    rounded half to even (exactly) and clipped to -8..7.
+    rounded half to even (exactly) and clipped to -8..7; a group whose scale or weights would be
+    float32 subnormals (max|w| below 7 * 2**-126) comes out zero, as XLA flushes subnormals.
   """
   e, k, n = w.shape
   if k % GROUP_SIZE:

@@ -151,9 +151,9 @@ def load_kimi(directory, **config_overrides) -> KimiModel:
                             and not _EXPERT_TENSOR.match(name[len(prefix):]))
   if packed_elsewhere:  # a scheme whose ignore list leaves more than the routed experts quantised
     raise CheckpointError(
-        f"{directory}: {packed_elsewhere[0]}{f' and {len(packed_elsewhere) - 1} more' if len(packed_elsewhere) > 1 else ''} "
-        "INT4-packed, but only the routed experts may be (K2.6's scheme: attention, dense and shared-expert "
-        "layers and lm_head stay bf16; compare quantization_config's ignore list with K2.6's)")
+        f"{directory}: {packed_elsewhere[0]}{f' (and {len(packed_elsewhere) - 1} more)' if len(packed_elsewhere) > 1 else ''} "
+        "is INT4-packed; only the routed experts may be packed (K2.6's scheme: attention, dense and "
+        "shared-expert layers and lm_head stay bf16; compare quantization_config's ignore list with K2.6's)")
   if not STRUCTURAL_OVERRIDES & set(config_overrides):  # else a deliberate partial load
     unknown = _unaccounted_tensors(reader.names(), prefix, hf_config, cfg)
     if unknown:  # checked by name before anything is read: a 600 GB load fails at once

@@ -970,7 +970,8 @@ def _kernel(meta_ref, *refs, plan: Plan, num_key_parts: int, shared_value: bool,
 
 
 class _RowsMTools(NamedTuple):
-  """The "rows_m" kernel's steps (``_rows_m_tools``), kept apart from its schedule."""
+  """The "rows_m" kernel's steps (``_rows_m_tools``), which ``_kernel_rows_m`` chains (a second
+  schedule, the seesaw, shared them until it was removed)."""
   scores: object  # stage -> S = Q K^T of that KV stage, fp32 [64, 64]
   init_carry: object  # () -> (zero O half, row max -inf, row sum 0)
   finish_wg0: object  # (acc, m_run, l_run) -> 1 / l to warpgroup 1, O[:, :Dv/2] and the lse out

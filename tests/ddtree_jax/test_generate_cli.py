@@ -2,6 +2,7 @@
 reports the streams identical; bad arguments, a Pallas kernel off the GPU included, are refused
 by name before any model loads."""
 
+import numpy as np
 import pytest
 
 from ddtree_jax import engine, generate, near_tie
@@ -44,6 +45,26 @@ def test_differing_greedy_streams_are_judged_by_the_near_tie_rule(capsys, monkey
   code = generate.main(args)
   assert code == 0
   assert "a near tie (< 1000000000.0 in float32), allowed" in capsys.readouterr().out
+
+
+def test_near_tie_report_cuts_the_reference_at_the_stop_and_catches_a_short_stream(capsys, monkeypatch):
+  """Against a stubbed reference [1, 2, 3, stop, 8, 9] (margins 0.5 except 1e-4 at token 2, the
+  float32 tolerance itself): a stream stopping where it stops is equal; one ending early is not
+  excused; a difference at a margin equal to the tolerance is not a near tie."""
+  stop = 7
+  monkeypatch.setattr(near_tie, "greedy_reference", lambda target, prompts, new, max_len: (
+      [[1, 2, 3, stop, 8, 9][:new]], [np.array([0.5, 0.5, 1e-4, 0.5, 0.5, 0.5])[:new]]))
+  report = lambda spec, plain: generate.near_tie_report(None, [0], spec, plain, "float32", stop, 6, 16)
+  assert report([1, 2, 3, stop], [1, 2, 3, stop])
+  assert "speculative output equals greedy decoding" in capsys.readouterr().out
+  assert not report([1, 2, 3], [1, 2, 3, stop])
+  out = capsys.readouterr().out
+  assert "speculative output ends after 3 tokens where greedy decoding one token a step has 4" in out
+  assert "plain output equals greedy decoding" in out
+  assert not report([1, 2, 5, stop], [1, 2, 3, stop])
+  assert "at token 2, where its top-2 logit margin is 0.0001: NOT a near tie" in capsys.readouterr().out
+  assert report([1, 2, 3, stop], [1, 4, 3, stop])  # the plain engine's divergence is reported, not fatal
+  assert "plain output first differs from greedy decoding one token a step at token 1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,message", [

@@ -177,6 +177,18 @@ def test_k26_checkpoint_loads_packed_and_dequantised(tmp_path):
   assert np.isfinite(np.asarray(a)).all()
 
 
+def test_non_finite_expert_weights_are_refused_when_quantising_on_load(tmp_path):
+  loading.save_kimi(kimi.init_model(KimiConfig.tiny(), seed=9), tmp_path, dtype="bfloat16")
+  (path,) = tmp_path.glob("*.safetensors")
+  with safe_open(str(path), "np") as f:
+    tensors = {name: f.get_tensor(name) for name in f.keys()}
+  name = "model.layers.2.mlp.experts.5.up_proj.weight"
+  tensors[name][3, 4] = np.inf
+  save_file(tensors, str(path), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=f"{name} has non-finite values: it cannot be quantised to INT4"):
+    loading.load_kimi(tmp_path, dtype="float32", experts_int4=True)
+
+
 def test_int4_packed_tensors_outside_the_routed_experts_are_refused_by_name(tmp_path):
   """A scheme whose ignore list leaves an attention projection quantised: refused naming the
   tensor and the scheme, before any tensor is read (not as a tensor the config has no place for)."""
@@ -189,8 +201,8 @@ def test_int4_packed_tensors_outside_the_routed_experts_are_refused_by_name(tmp_
   tensors.update({name + ".weight_packed": packed, name + ".weight_scale": scale,
                   name + ".weight_shape": np.array([packed.shape[0], packed.shape[1] * 8], np.int64)})
   save_file(tensors, str(path), metadata={"format": "pt"})
-  with pytest.raises(loading.CheckpointError, match=f"{name}.weight_packed INT4-packed, but only the routed "
-                     "experts may be .* quantization_config's ignore list"):
+  with pytest.raises(loading.CheckpointError, match=f"{name}.weight_packed is INT4-packed; only the routed "
+                     "experts may be packed .* quantization_config's ignore list"):
     loading.load_kimi(tmp_path, dtype="float32")
 
 
