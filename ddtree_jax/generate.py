@@ -125,9 +125,10 @@ def near_tie_report(target, prompt, speculative, plain, dtype: str, stop_id: int
   (``near_tie.greedy_reference``: one token a step, cut after ``stop_id``) by DESIGN's near-tie
   rule and prints the verdicts. True when the speculative stream differs from it only at a near
   tie; a plain stream that leaves it is reported (a bug of the plain engine, or noise), not fatal."""
-  # Its own cache: prefill runs whole chunks of 32, which the engines' cache need not hold.
+  # Its own cache: the reference prefills whole chunks, which the engines' cache need not hold.
+  chunk = near_tie.PREFILL_CHUNK
   ref_tokens, ref_margins = near_tie.greedy_reference(
-      target, [prompt], max_new_tokens, max(max_len, -(-len(prompt) // 32) * 32 + max_new_tokens + 1))
+      target, [prompt], max_new_tokens, max(max_len, -(-len(prompt) // chunk) * chunk + max_new_tokens + 1))
   ref = ref_tokens[0][:ref_tokens[0].index(stop_id) + 1] if stop_id in ref_tokens[0] else ref_tokens[0]
   tolerance = near_tie.TOLERANCE[dtype]
   verdicts = {}

@@ -13,6 +13,7 @@ from models import cache as cache_lib
 from models import forward as fwd
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
+PREFILL_CHUNK = 32  # greedy_reference prefills in whole chunks of this many tokens
 _decode = jax.jit(fwd.decode_step)
 
 
@@ -29,7 +30,7 @@ def greedy_reference(model, prompts, max_new_tokens: int, max_len: int):
   slots = jnp.arange(batch, dtype=jnp.int32)
   tokens, margins = [], []
   with fwd.matmul_precision(model.cfg):  # as the engine compiles its steps
-    last, _, _, cache = fwd.prefill(model, prompts, np.arange(batch), cache, chunk_size=32)
+    last, _, _, cache = fwd.prefill(model, prompts, np.arange(batch), cache, chunk_size=PREFILL_CHUNK)
     logits = np.asarray(last)
     for _ in range(max_new_tokens):
       top2 = np.sort(logits, axis=-1)[:, -2:]
