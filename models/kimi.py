@@ -279,7 +279,9 @@ def routed_experts_pallas(x_sorted, group_sizes, experts, sorted_expert_ids=None
   clear error otherwise). ``sorted_expert_ids`` int[A], each sorted row's expert (E for padding),
   lets the kernel build its work list from the rows where there are fewer rows than experts
   (decode and small trees): the same list, 0.92x the INT4 layer's GPU time at 384 experts and
-  T = 1 and 9 on the H200 (``benchmarks/results/bench_moe_rows.md``). Up to 64 experts (an
+  T = 1 and 9 on the H200 (``benchmarks/results/bench_moe_rows.md``); past it they give each
+  row's place in the work layout by a gather instead of an [A, E] pass (0.7 ms a call at 384
+  experts and T = 4096, ``benchmarks/results/bench_moe_prefill.md``). Up to 64 experts (an
   expert-parallel share) the gate/up kernel builds the list from ``group_sizes`` itself and the
   ids are not needed (``moe.default_work_list_impl``).
   """

@@ -20,7 +20,9 @@ the experts touched. Here work follows them:
   bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
   Slots are grouped per expert in expert order; the list has a static length (``max_work_items``),
   and slots without rows (an expert's spare last slot, and the tail) are marked ``-1``. The list
-  is two masked-sum reductions (no cumsum, searchsorted or gather kernels), and no rows are
+  is two masked-sum reductions (no cumsum, searchsorted or gather kernels; with the sorted rows'
+  experts given, each row's column is a gather instead of the [A, E] one, which costs 0.7 ms a
+  call at prefill sizes), and no rows are
   gathered: the gate/up kernel loads each item's R-row block straight from x_sorted. A block's
   rows of other experts cost no extra MMA work and their results are never read (each MMA
   output column depends only on its own row).
@@ -178,7 +180,7 @@ def padded_rows(num_rows: int, block_rows: int) -> int:
   return -(-max(num_rows, block_rows) // ROW_ALIGN) * ROW_ALIGN
 
 
-def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
+def work_list(group_sizes, num_rows: int, block_rows: int, sorted_expert_ids=None) -> WorkList:
   """Compact list of (expert, row window) items over the non-empty experts, in expert order.
 
   The kernels read each item's rows straight from x_sorted as the R-row block starting at
@@ -201,6 +203,12 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   experts and T = 9, 10.6 -> 7.7 at T = 17; small kernels cost 1-2 us each whatever their size).
   (XLA's cumsum is a reduce-window kernel of ~10 us on the H200; the first cumsum/searchsorted/
   gather form launched nine small kernels.)
+
+  With ``sorted_expert_ids`` (int[A], each sorted row's expert, E or more for padding; the model has
+  them from its sort) each row's column is gathered from its expert's values instead of picked
+  from [A, E]: O(A), where the picks cost 0.7 ms a call at 384 experts and T = 4096 (H200). The
+  same list; ids that disagree with ``group_sizes`` (a routed row outside its id's rows) give an
+  empty list (every row unrouted: zeros out), never rows of other experts.
   """
   e = group_sizes.shape[0]
   r = block_rows
@@ -216,6 +224,19 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   base = row_start - row_start % ROW_ALIGN
   member_w, window = _item_candidates(slot_start, slot_end, row_end, base, None, w_max, r)
   rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+  routed = rows[:, 0] < row_end[-1]
+  if sorted_expert_ids is not None:
+    ids = jnp.clip(sorted_expert_ids.astype(jnp.int32), 0, e - 1)
+    row = rows[:, 0]
+    # Ids out of step with the counts would take rows from other experts' results: none are live.
+    agree = jnp.all(~routed | ((row_start[ids] <= row) & (row < row_end[ids])))
+    routed = routed & agree
+    column = jnp.where(routed, _row_column(row, base[ids], slot_start[ids], r, last_window), 0)
+    expert, first_row, item_rows, block_start = _items_from(
+        _picks(member_w, _item_values(window, experts, row_start, row_end)), r, last_window)
+    return WorkList(jnp.where(agree, expert, -1), jnp.where(agree, first_row, 0), jnp.where(agree, item_rows, 0),
+                    jnp.where(agree, block_start, 0), row_column=column, routed=routed,
+                    num_slots=jnp.where(agree, slot_end[-1:], 0))
   member_a = (row_start[None, :] <= rows) & (rows < row_end[None, :])  # [A, E]
   column = _row_column(rows, base[None, :], slot_start[None, :], r, last_window)
   # The items' picks and the rows' columns in one reduction: [W + A, E, 5], the rows' column in
@@ -224,7 +245,7 @@ def work_list(group_sizes, num_rows: int, block_rows: int) -> WorkList:
   picked = _picks(jnp.concatenate([member_w, member_a]),
                   jnp.concatenate([_item_values(window, experts, row_start, row_end), values_a]))
   return WorkList(*_items_from(picked[:w_max], r, last_window), row_column=picked[w_max:, 0],
-                  routed=rows[:, 0] < row_end[-1], num_slots=slot_end[-1:])
+                  routed=routed, num_slots=slot_end[-1:])
 
 
 def _picks(member, values):
@@ -1244,16 +1265,16 @@ def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret,
 
 def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> WorkList:
   """The work list from the row ids (checked by the caller) where given and there are no more rows
-  than experts (the [A, A] form is then the smaller), else from group_sizes; both give the same
-  list."""
+  than experts (the [A, A] form is then the smaller), else from group_sizes (with the ids, if given,
+  for the rows' columns); all give the same list."""
   e = group_sizes.shape[0]
   if sorted_expert_ids is None:
     return work_list(group_sizes, num_rows, block_rows)
   # Where A <= E the ids alone decide the list (group_sizes gives only E); the caller keeps them
-  # consistent with group_sizes.
+  # consistent with group_sizes. Past it the counts make the items and the ids the rows' columns.
   if num_rows <= e:
     return work_list_from_rows(sorted_expert_ids, e, block_rows)
-  return work_list(group_sizes, num_rows, block_rows)
+  return work_list(group_sizes, num_rows, block_rows, sorted_expert_ids)
 
 
 WORK_LIST_IMPLS = ("kernel", "jnp")
