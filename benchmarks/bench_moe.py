@@ -8,10 +8,12 @@ routing over the 384 experts (the 48-expert share computes the rows routed to ex
 row buffer keeps the static size 8T, the rest is padding). Timed side by side in the same run:
 
 * ``pallas`` bf16 and INT4 (``pallas_kernels/moe.py``): reads only the touched experts;
-  ``pallas_rows`` the same with the work list built from the sorted rows' experts where 8T <= E
-  (``moe.work_list_from_rows``; the ids are built outside the timed step; the model takes them
-  from its sort with one gather of A ints, not timed here), against the [E, E] prefix fusion of
-  the default; checked bit-identical to ``pallas``;
+  ``pallas_rows`` the same with the sorted rows' experts given, as the model gives them: where
+  8T <= E the work list is built from them (``moe.work_list_from_rows``), against the [E, E]
+  prefix fusion of the default; past it (``--rows-tokens``) they give the rows' columns in place
+  of the default's [A, E] pass (prefill sizes). The ids are built outside the timed step (the
+  model takes them from its sort with one gather of A ints, not timed here); checked
+  bit-identical to ``pallas``;
 * ``ragged_dot``: ``models.kimi.routed_experts`` (``jax.lax.ragged_dot``), bf16;
 * ``ragged_dot_mgpu``: jax's Pallas Mosaic GPU ragged dot (block 64 x 256 x 64, 4 stages) for
   each projection with the SwiGLU in XLA, bf16.
@@ -36,7 +38,7 @@ model step runs its layers, and each cell is timed two ways (medians of 5 such s
   (argument handling, updating and launching the step's CUDA graph), which at small T is a large
   part of the call (about 20-30 us per layer call on the H200; ``benchmarks/moe_timeline.py``).
 
-Writes ``bench_moe.json`` and ``bench_moe.md``. ``--resume FILE`` keeps an earlier run's rows for
+Writes ``bench_moe.json`` and ``bench_moe.md`` (``--stem`` names others). ``--resume FILE`` keeps an earlier run's rows for
 the cells this run does not time (each keeps its run's ceilings, and the markdown names the run),
 so one expert count can be timed again without the other.
 """
@@ -230,8 +232,8 @@ IMPLS = {
     "pallas_item_minor": lambda x, g, w: moe.moe_experts(
         x, g, w, expected_rows=expected_rows(x, g),
         tiles=dataclasses.replace(moe.default_tiles(w), grid_order="item_minor")),
-    # The work list from each sorted row's expert (``moe.work_list_from_rows``; where A <= E):
-    # its "g" is (group_sizes, sorted expert ids), ids the model's sort has (``with_row_ids``).
+    # The sorted rows' experts given (``moe.work_list_from_rows`` where A <= E, else the rows'
+    # columns): its "g" is (group_sizes, sorted expert ids), ids the model's sort has (``with_row_ids``).
     "pallas_rows": lambda x, g, w: moe.moe_experts(x, g[0], w, expected_rows=expected_rows(x, g[0]),
                                                    sorted_expert_ids=g[1]),
     # Per-row items off (``per_row=False``) where they are the default (A <= 8): the sorted work
@@ -301,6 +303,32 @@ def weight_bytes(fmt, experts_touched):
   return experts_touched * 3 * HIDDEN * INTER * per_weight
 
 
+def reference_checks(compiled, data, weights) -> dict:
+  """Correctness at K2.6 size: the bf16 kernel against ragged_dot on the same weights in every
+  (E, T) where both were compiled, or against ragged_dot_mgpu where only that was (prefill-sized
+  T, where ragged_dot takes seconds a call); relative L2 over the routed rows of each cell's first
+  routing. The first ragged_dot cell also fills the summary keys the markdown reports."""
+  check = {}
+  for (e, t, fmt, impl), fn in compiled.items():
+    refs = [r for r in ("ragged_dot", "ragged_dot_mgpu")
+            if (e, t, "bf16", r) in compiled and not isinstance(compiled[(e, t, "bf16", r)], Exception)]
+    if impl != "pallas" or fmt != "bf16" or isinstance(fn, Exception) or not refs:
+      continue
+    try:
+      sets = data[(e, t)]
+      xs, gs = [s[0] for s in sets], [s[1] for s in sets]
+      got = np.asarray(fn(xs, gs, weights[("bf16", e)])[0].astype(jnp.float32))
+      want = np.asarray(compiled[(e, t, "bf16", refs[0])](xs, gs, weights[("bf16", e)])[0].astype(jnp.float32))
+      rows = int(np.asarray(gs[0]).sum())
+      rel = float(np.linalg.norm(got[:rows] - want[:rows]) / np.linalg.norm(want[:rows]))
+      check[f"pallas bf16 E={e} T={t} rel L2 vs {refs[0]}"] = rel
+      if refs[0] == "ragged_dot" and "rel_l2_vs_ragged_dot" not in check:
+        check.update({"experts": e, "tokens": t, "rel_l2_vs_ragged_dot": rel})
+    except Exception as err:
+      check[f"pallas bf16 E={e} T={t}"] = f"{type(err).__name__}: {str(err)[:300]}"
+  return check
+
+
 def run(args, out: Path):
   t_start = time.perf_counter()
   dev = jax.devices()[0]
@@ -318,8 +346,8 @@ def run(args, out: Path):
                         ("bf16", "pallas_rows_sorted"), ("int4", "pallas_rows_sorted"),
                         ("bf16", "ragged_dot"), ("bf16", "ragged_dot_mgpu")):
         mgpu_here = e != args.experts[0] or not args.mgpu_tokens or t in args.mgpu_tokens
-        if impl in ROW_ID_IMPLS and TOP_K * t > e:
-          continue  # the ids are used only where A <= E; elsewhere it would re-time "pallas"
+        if impl in ROW_ID_IMPLS and TOP_K * t > e and (impl != "pallas_rows" or t not in args.rows_tokens):
+          continue  # past A = E the ids only give the rows' columns: timed where asked (prefill)
         if impl in ("pallas_sorted", "pallas_rows_sorted") and TOP_K * t > moe.PER_ROW_MAX_ROWS:
           continue  # elsewhere the same as "pallas_rows"
         if impl in args.impls and fmt in args.formats and (impl != "ragged_dot_mgpu" or mgpu_here):
@@ -353,19 +381,7 @@ def run(args, out: Path):
   print(f"stream {stream / 1e12:.2f} TB/s, copy {caps['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {caps['matmul_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
 
-  # One correctness check at K2.6 size: the kernel against ragged_dot on the same bf16 weights.
-  check = {}
-  e0, t0 = args.experts[0], args.tokens[min(2, len(args.tokens) - 1)]
-  sets = data[(e0, t0)]
-  xs, gs = [s[0] for s in sets], [s[1] for s in sets]
-  try:
-    got = np.asarray(compiled[(e0, t0, "bf16", "pallas")](xs, gs, weights[("bf16", e0)])[0].astype(jnp.float32))
-    want = np.asarray(compiled[(e0, t0, "bf16", "ragged_dot")](xs, gs, weights[("bf16", e0)])[0].astype(jnp.float32))
-    rows = int(np.asarray(gs[0]).sum())
-    check = {"experts": e0, "tokens": t0, "rel_l2_vs_ragged_dot": float(
-        np.linalg.norm(got[:rows] - want[:rows]) / np.linalg.norm(want[:rows]))}
-  except Exception as err:
-    check = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+  check = reference_checks(compiled, data, weights)
   # The work list from row ids must give exactly the default's output (the same list).
   for (e, t, fmt, impl), fn in compiled.items():
     default = compiled.get((e, t, fmt, "pallas"))
@@ -445,8 +461,8 @@ def run(args, out: Path):
   if args.resume:
     resume(result, json.loads(args.resume.read_text()))
   out.mkdir(parents=True, exist_ok=True)
-  (out / "bench_moe.json").write_text(json.dumps(result, indent=1))
-  (out / "bench_moe.md").write_text(markdown(result))
+  (out / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
+  (out / f"{args.stem}.md").write_text(markdown(result))
   print(markdown(result))
 
 
@@ -577,6 +593,11 @@ def markdown(result) -> str:
   if "rel_l2_vs_ragged_dot" in k26:
     lines.append(f"Check at K2.6 size{run_k26}: pallas bf16 vs ragged_dot relative L2 {k26['rel_l2_vs_ragged_dot']:.1e} "
                  f"({k26['experts']} experts, T = {k26['tokens']}).")
+  cell_checks, run_cells = newest(lambda k: k.startswith("pallas bf16 E="))
+  if cell_checks:
+    lines.append(f"pallas bf16 against the reference compiled for the same cell, same weights{run_cells}: "
+                 + "; ".join(f"{k[len('pallas bf16 '):]} {v:.1e}" if isinstance(v, float) else f"{k}: {v}"
+                             for k, v in cell_checks.items()) + ".")
   block_checks, run_block = newest(lambda k: k.startswith("block_pallas"))
   if block_checks:
     lines.append(f"Routed block, kernel path against the ragged_dot path on the same bf16 weights{run_block}: "
@@ -610,7 +631,8 @@ def markdown(result) -> str:
     pairs = [(r, by.get((r["experts"], r["tokens"], fmt, "pallas"))) for r in result["rows"]
              if r["impl"] == "pallas_rows" and r["format"] == fmt and "device_us" in r]
     if pairs:
-      lines.append(f"{fmt} with the work list from the sorted rows' experts (`pallas_rows`, where 8T <= E; "
+      lines.append(f"{fmt} with the work list from the sorted rows' experts (`pallas_rows`; past 8T = E the "
+                   f"counts give the items and the ids the rows' columns; "
                    f"GPU us, of roofline, and against the default): " + ", ".join(
                        f"E={r['experts']} T={r['tokens']} {r['device_us']:.0f} ({r['device_roofline_fraction']:.0%}"
                        + (f", {r['device_us'] / d['device_us']:.2f}x" if d and "device_us" in d else "") + ")"
@@ -629,6 +651,7 @@ def markdown(result) -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+  parser.add_argument("--stem", default="bench_moe", help="output files STEM.json and STEM.md")
   parser.add_argument("--experts", type=int, nargs="+", default=[ALL_EXPERTS, 48])
   parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
   parser.add_argument("--impls", nargs="+", default=list(IMPLS))
@@ -639,6 +662,9 @@ def main():
   parser.add_argument("--mgpu-tokens", type=int, nargs="*", default=[],
                       help="T at which to time ragged_dot_mgpu for the first expert count (default all); "
                            "its 384-group kernel takes about 6 s to lower per T")
+  parser.add_argument("--rows-tokens", type=int, nargs="*", default=[],
+                      help="T past E / 8 at which to also time pallas_rows (there the ids replace the work "
+                           "list's [A, E] pass for the rows' columns; it matters at prefill sizes)")
   parser.add_argument("--block-tokens", type=int, nargs="*", default=[1, 9, 17, 136],
                       help="T at which to time the model's routed block (block_pallas, block_ragged_dot; "
                            "at 384 experts only)")

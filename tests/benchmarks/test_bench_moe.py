@@ -113,3 +113,36 @@ def test_per_row_pairs_are_compared_within_one_run(bench):
   assert "block_pallas int4 E=384 T=1 70.0 (61%) vs 80.0 (54%), 0.88x" in line
   assert "pallas_rows int4" not in line  # its sorted cell is from another run
   assert "block_pallas int4 E=384 T=1 bit-identical to block_pallas_sorted: True" in text
+
+
+def test_reference_checks_take_ragged_dot_else_mgpu_and_report_every_cell(bench):
+  """Each (E, T) with the bf16 kernel compiled is checked against ragged_dot where that was compiled,
+  else against ragged_dot_mgpu (prefill-sized T); the relative L2 is over the routed rows only."""
+  rng = np.random.default_rng(0)
+  want = rng.standard_normal((6, 4)).astype(np.float32)
+  off = want.copy()
+  off[:4] *= 1.01  # 1% off on the 4 routed rows; the 2 padding rows differ wildly and must not count
+  off[4:] = 1e3
+  sizes = np.array([3, 1, 0])  # 4 routed rows of 6
+  data = {(8, 1): [(None, sizes, 0, None)], (8, 2): [(None, sizes, 0, None)], (8, 3): [(None, sizes, 0, None)]}
+  weights = {("bf16", 8): None}
+
+  def returning(y):
+    return lambda xs, gs, w: [np.asarray(y)]
+
+  def failing(xs, gs, w):
+    raise RuntimeError("kernel fault")
+
+  compiled = {(8, 1, "bf16", "pallas"): returning(off), (8, 1, "bf16", "ragged_dot"): returning(want),
+              (8, 1, "bf16", "ragged_dot_mgpu"): returning(off),
+              (8, 2, "bf16", "pallas"): returning(want), (8, 2, "bf16", "ragged_dot_mgpu"): returning(off),
+              (8, 3, "bf16", "pallas"): failing, (8, 3, "bf16", "ragged_dot_mgpu"): returning(want),
+              (8, 1, "int4", "pallas"): returning(off)}
+  check = bench.reference_checks(compiled, data, weights)
+  assert check["pallas bf16 E=8 T=1 rel L2 vs ragged_dot"] == pytest.approx(0.01, rel=1e-4)
+  assert check["pallas bf16 E=8 T=2 rel L2 vs ragged_dot_mgpu"] == pytest.approx(0.01 / 1.01, rel=1e-4)
+  assert check["pallas bf16 E=8 T=3"] == "RuntimeError: kernel fault"
+  assert (check["experts"], check["tokens"]) == (8, 1)
+  assert len([k for k in check if k.startswith("pallas bf16")]) == 3  # no INT4 cell: other weights
+  text = bench.markdown(result([], ["--x"]) | {"check": check})
+  assert "E=8 T=2 rel L2 vs ragged_dot_mgpu 9.9e-03" in text and "pallas bf16 E=8 T=3: RuntimeError: kernel fault" in text
