@@ -20,10 +20,10 @@ the experts touched. Here work follows them:
   bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
   Slots are grouped per expert in expert order; the list has a static length (``max_work_items``),
   and slots without rows (an expert's spare last slot, and the tail) are marked ``-1``. The list
-  is two masked-sum reductions (no cumsum, searchsorted or gather kernels; with the sorted rows'
-  experts given, each row's column is a gather instead of the [A, E] one, which costs 0.7 ms a
-  call at prefill sizes), and no rows are
-  gathered: the gate/up kernel loads each item's R-row block straight from x_sorted. A block's
+  is two masked-sum reductions (no cumsum or searchsorted kernels; given the sorted rows' experts,
+  the rows' places come from a gather of A values instead of the [A, E] sum, 0.7 ms a call at
+  prefill sizes), and no rows are copied: the gate/up kernel loads each item's R-row block
+  straight from x_sorted. A block's
   rows of other experts cost no extra MMA work and their results are never read (each MMA
   output column depends only on its own row).
 * **The list in the kernel** (``work_list_impl="kernel"``, the default up to
@@ -226,10 +226,11 @@ def work_list(group_sizes, num_rows: int, block_rows: int, sorted_expert_ids=Non
   rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
   routed = rows[:, 0] < row_end[-1]
   if sorted_expert_ids is not None:
-    ids = jnp.clip(sorted_expert_ids.astype(jnp.int32), 0, e - 1)
+    raw = jnp.minimum(sorted_expert_ids, e).astype(jnp.int32)  # padding of any size or type: E
+    ids = jnp.clip(raw, 0, e - 1)
     row = rows[:, 0]
     # Ids out of step with the counts would take rows from other experts' results: none are live.
-    agree = jnp.all(~routed | ((row_start[ids] <= row) & (row < row_end[ids])))
+    agree = jnp.all(~routed | ((raw >= 0) & (raw < e) & (row_start[ids] <= row) & (row < row_end[ids])))
     routed = routed & agree
     column = jnp.where(routed, _row_column(row, base[ids], slot_start[ids], r, last_window), 0)
     expert, first_row, item_rows, block_start = _items_from(
@@ -1266,7 +1267,7 @@ def _per_row(tokens, expert_ids, experts, block_rows, dequant, tiles, interpret,
 def _work(group_sizes, sorted_expert_ids, num_rows: int, block_rows: int) -> WorkList:
   """The work list from the row ids (checked by the caller) where given and there are no more rows
   than experts (the [A, A] form is then the smaller), else from group_sizes (with the ids, if given,
-  for the rows' columns); all give the same list."""
+  for the rows' columns); for ids consistent with group_sizes all give the same list."""
   e = group_sizes.shape[0]
   if sorted_expert_ids is None:
     return work_list(group_sizes, num_rows, block_rows)
@@ -1371,7 +1372,9 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       for padding rows), consistent with ``group_sizes``. Where A <= E and the list is built in
       jnp (``work_list_impl``) it is then built from them alone (``work_list_from_rows``: [A, A] sums instead of [E, E]; the same
       list, so the same result; ids out of order give zeros, except with per-row items, which
-      take each row's id as it is); elsewhere they are not used. The
+      take each row's id as it is); where A > E with the jnp list they give each row's place in
+      the work layout by a gather instead of an [A, E] pass (ids that disagree with
+      ``group_sizes`` give zeros); with the list built in the kernel they are not used. The
       model passes them; on the H200 the INT4 layer takes 0.92x the GPU time of the group_sizes
       form at 384 experts and T = 1 and 9 (``benchmarks/results/bench_moe_rows.md``).
     per_row: each row its own work item (``moe_experts_per_row``: no work list, no padded copy

@@ -145,4 +145,8 @@ def test_reference_checks_take_ragged_dot_else_mgpu_and_report_every_cell(bench)
   assert (check["experts"], check["tokens"]) == (8, 1)
   assert len([k for k in check if k.startswith("pallas bf16")]) == 3  # no INT4 cell: other weights
   text = bench.markdown(result([], ["--x"]) | {"check": check})
-  assert "E=8 T=2 rel L2 vs ragged_dot_mgpu 9.9e-03" in text and "pallas bf16 E=8 T=3: RuntimeError: kernel fault" in text
+  assert "E=8 T=2 rel L2 vs ragged_dot_mgpu 9.9e-03" in text and "E=8 T=3: RuntimeError: kernel fault" in text
+  # The summary cell where given and checked against ragged_dot; else the first such cell.
+  compiled[(8, 2, "bf16", "ragged_dot")] = returning(want)
+  assert (bench.reference_checks(compiled, data, weights, (8, 2))["tokens"],
+          bench.reference_checks(compiled, data, weights, (8, 3))["tokens"]) == (2, 1)

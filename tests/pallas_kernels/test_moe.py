@@ -231,7 +231,7 @@ def test_work_list_from_rows_equals_work_list(num_experts, num_rows, block_rows)
   # clustered, single-expert and empty routings, padding ids of E and above.
   from_sizes = jax.jit(moe.work_list, static_argnums=(1, 2))
   from_rows = jax.jit(moe.work_list_from_rows, static_argnums=(1, 2))
-  with_ids = jax.jit(moe.work_list, static_argnums=(1, 2))
+  with_ids = from_sizes  # the counts' list with the ids for the rows' columns (the A > E form)
   rng = np.random.default_rng(num_experts * 1000 + num_rows)
   for trial in range(10):
     # Some routings fill every row, so that windows near the end are moved back (last_window).
@@ -268,16 +268,19 @@ def test_work_list_from_rows_equals_work_list(num_experts, num_rows, block_rows)
     shuffled = from_rows(jnp.asarray(np.arange(num_rows, dtype=np.int32)[::-1] % num_experts),
                          num_experts, block_rows)
     assert not np.asarray(shuffled.routed).any() and (np.asarray(shuffled.expert) == -1).all()
-    # Ids that disagree with the counts (one routed row given the next expert): an empty list, so
-    # no row is taken from another expert's results.
+    # Ids that disagree with the counts (a routed row given the next expert, a padding id or a
+    # negative one on a routed row): an empty list, so no row is taken from other experts' results.
     sizes = np.zeros(num_experts, np.int32)
     sizes[:2] = (num_rows + 1) // 2, num_rows // 2
     ids = np.repeat(np.arange(num_experts, dtype=np.int32), sizes)
     assert np.asarray(with_ids(jnp.asarray(sizes), num_rows, block_rows, jnp.asarray(ids)).routed).all()
-    ids[0] = 1
-    bad = with_ids(jnp.asarray(sizes), num_rows, block_rows, jnp.asarray(ids))
-    assert not np.asarray(bad.routed).any() and (np.asarray(bad.expert) == -1).all()
-    assert int(bad.num_slots[0]) == 0 and not np.asarray(bad.row_column).any()
+    for row, wrong in ((0, 1), (num_rows - 1, num_experts), (num_rows - 1, num_experts + 7), (0, -1)):
+      bad_ids = ids.copy()
+      bad_ids[row] = wrong
+      bad = with_ids(jnp.asarray(sizes), num_rows, block_rows, jnp.asarray(bad_ids))
+      assert not np.asarray(bad.routed).any() and (np.asarray(bad.expert) == -1).all(), (row, wrong)
+      for field in ("first_row", "num_rows", "block_start", "row_column", "num_slots"):
+        assert not np.asarray(getattr(bad, field)).any(), (row, wrong, field)
 
 
 def test_sorted_expert_ids_give_the_same_result_and_are_checked():
@@ -315,7 +318,7 @@ def test_row_ids_past_the_experts_give_the_rows_columns_without_an_a_by_e_pass()
   ids = jnp.asarray(np.concatenate([np.repeat(np.arange(4), np.asarray(sizes)), np.full(8, 4)]), jnp.int32)
   with_ids = str(jax.make_jaxpr(lambda g, i: moe._work(g, i, a, 16))(sizes, ids))
   without = str(jax.make_jaxpr(lambda g: moe._work(g, None, a, 16))(sizes))
-  assert f"bool[{a},4]" in without and f"bool[{a},4]" not in with_ids
+  assert f"[{a},4]" in without and f"[{a},4]" not in with_ids
   for field, x, y in zip(moe.WorkList._fields, moe._work(sizes, ids, a, 16), moe._work(sizes, None, a, 16)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=field)
 
