@@ -23,9 +23,8 @@ the experts touched. Here work follows them:
   is two masked-sum reductions (no cumsum or searchsorted kernels; given the sorted rows' experts,
   the rows' places come from a gather of A values instead of the [A, E] sum, 0.7 ms a call at
   prefill sizes), and no rows are copied: the gate/up kernel loads each item's R-row block
-  straight from x_sorted. A block's
-  rows of other experts cost no extra MMA work and their results are never read (each MMA
-  output column depends only on its own row).
+  straight from x_sorted. A block's rows of other experts cost no extra MMA work and their
+  results are never read (each MMA output column depends only on its own row).
 * **The list in the kernel** (``work_list_impl="kernel"``, the default up to
   ``KERNEL_WORK_LIST_MAX_EXPERTS``): the list's own kernels cost more than the list (four small
   XLA kernels, ~7 us a call at the 48-expert share), so each gate/up program finds its slots'
