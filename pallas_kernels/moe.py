@@ -225,7 +225,7 @@ def work_list(group_sizes, num_rows: int, block_rows: int, sorted_expert_ids=Non
   rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
   routed = rows[:, 0] < row_end[-1]
   if sorted_expert_ids is not None:
-    raw = jnp.minimum(sorted_expert_ids, e).astype(jnp.int32)  # padding of any size or type: E
+    raw = _padding_as_e(sorted_expert_ids, e)
     ids = jnp.clip(raw, 0, e - 1)
     row = rows[:, 0]
     # Ids out of step with the counts would take rows from other experts' results: none are live.
@@ -246,6 +246,12 @@ def work_list(group_sizes, num_rows: int, block_rows: int, sorted_expert_ids=Non
                   jnp.concatenate([_item_values(window, experts, row_start, row_end), values_a]))
   return WorkList(*_items_from(picked[:w_max], r, last_window), row_column=picked[w_max:, 0],
                   routed=routed, num_slots=slot_end[-1:])
+
+
+def _padding_as_e(sorted_expert_ids, num_experts: int):
+  """int32 ids with every padding id (E or more, of any integer type and size) exactly E; negative
+  ids stay negative (a caller's error, which the lists reject)."""
+  return jnp.minimum(sorted_expert_ids, num_experts).astype(jnp.int32)
 
 
 def _picks(member, values):
@@ -353,7 +359,7 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   ``flat_ids[order]``: a gather of A ints). Ids not in ascending order give an empty list (every
   row unrouted: zeros out), never items of wrong experts or reads outside the arrays.
   """
-  ids = jnp.minimum(sorted_expert_ids, num_experts).astype(jnp.int32)  # padding: exactly E
+  ids = _padding_as_e(sorted_expert_ids, num_experts)
   a = ids.shape[0]
   r = block_rows
   w_max = max_work_items(num_experts, a, r)
