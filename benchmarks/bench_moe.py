@@ -217,10 +217,6 @@ def expected_rows(x, g):
   return max(1, x.shape[0] * g.shape[0] // ALL_EXPERTS)
 
 
-def block_rows(x, g):
-  return moe.default_block_rows(g.shape[0], expected_rows(x, g))
-
-
 IMPLS = {
     "pallas": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g)),
     # The two INT4 forms forced (the default picks one by the expected programs per SM).

@@ -306,9 +306,10 @@ def balanced_experts(x_sorted, group_sizes, experts, *, programs: int, expected_
   ``moe.moe_experts_with_tile_loads``."""
   a, _, inter, e = moe._check_inputs(x_sorted, group_sizes, experts)
   rows = a if expected_rows is None else expected_rows
-  r, dequant = moe._resolve_options(a, e, inter, None, int4_dequant, rows, interpret)
+  r, dequant = moe._resolve_options(a, e, inter, None, int4_dequant, rows, interpret,
+                                   is_int4=isinstance(experts, moe.Int4Experts))
   if tiles is None:  # the default tiles' gate/up, chunked, without the split
-    tiles = moe.default_tiles(experts, rows)
+    tiles = moe.default_tiles(experts, rows, r)
     tiles = dataclasses.replace(tiles, gate_up=dataclasses.replace(
         tiles.gate_up, split_k=False, chunk_k=tiles.gate_up.chunk_k or moe.CHUNK_K))
   gate_up = tiles.gate_up

@@ -100,7 +100,7 @@ def main():
       for v, step in steps.items():
         timings[v].append(bench.device_in_step(step, calls, w))
     medians = {v: statistics.median(us for us, _ in timings[v]) for v in variants}
-    w_items = moe.max_work_items(EXPERTS, xs[0].shape[0], moe.default_block_rows(EXPERTS, expected))
+    w_items = moe.max_work_items(EXPERTS, xs[0].shape[0], moe.default_block_rows(EXPERTS, expected, is_int4=True))
     for v in variants:
       form, scale = v
       programs = item_programs(scale, expected) or moe.default_item_programs(

@@ -17,7 +17,9 @@ the experts touched. Here work follows them:
 * **Work list** (``work_list`` in plain jnp, or the gate/up kernel itself: below): each non-empty
   expert's rows are covered by
   windows of ``block_rows`` (R) rows of x_sorted, starting at its first row rounded down to 8 (the
-  bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window.
+  bulk copy engine loads the kernel's x tile at 8-row-aligned starts), almost always one window
+  (R from the expected rows an expert, ``default_block_rows``: 16 to 128 rows for bf16, to 64 for
+  INT4; each window reads its expert's weights, which at prefill sizes sets the call's time).
   Slots are grouped per expert in expert order; the list has a static length (``max_work_items``),
   and slots without rows (an expert's spare last slot, and the tail) are marked ``-1``. The list
   is two masked-sum reductions (no cumsum or searchsorted kernels; given the sorted rows' experts,
@@ -76,7 +78,12 @@ bf16 runs at 91-97% of the touched experts' read roofline for T = 1..136 with 38
 88-95% for T = 9..136 with the 48-expert share; INT4 at 60-75% for T = 9..136 with 384 experts
 (the spread of runs of the same code; 63% at T = 1 with per-pair items, 54% with the sorted work
 list) and 52-70% for T = 9..136 with 48, 24% at T = 1 (31% with the row ids and chunks of 1792,
-``moe_chunk_k.md``; ``moe_waves.md``: what bounds the share's small T). Where few experts are
+``moe_chunk_k.md``; ``moe_waves.md``: what bounds the share's small T). At prefill sizes a call is
+bound by the weight reads, once per work item (``default_block_rows``): bf16 at T = 4096 (85 rows
+an expert, 128-row items) takes 0.48x the time of jax's ``ragged_dot_mgpu`` at 384 experts and
+0.24x at the 48-expert share (``bench_moe_prefill.md``); INT4, capped at 64-row items, is bound
+by dequantising each weight tile once per item there (16-17% of its weight stream at T = 4096).
+Where few experts are
 touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172
 registers a thread, so two programs and two warps per scheduler) ncu reads DRAM at 61% of its
 peak and the schedulers issuing in 57% of cycles, with 0.81 eligible warps; a third pipeline
@@ -134,12 +141,27 @@ def max_work_items(num_experts: int, num_rows: int, block_rows: int) -> int:
   return max(1, n + (num_rows + (ROW_ALIGN - 1) * n) // block_rows)
 
 
-def default_block_rows(num_experts: int, num_rows: int) -> int:
+# Rows per work item at most. bf16: 128, the gate/up kernel's two [64, R] float32 accumulators then
+# take 128 registers a thread (the MMA's N side would take 256 rows). INT4: 64, its gate/up kernel
+# adds its chunks' sums into [64, R] float32 tiles in shared memory, which at R = 128 (64 KB) beside
+# two 256-feature stages (82 KB each) pass the budget.
+MAX_BLOCK_ROWS = {"bf16": 128, "int4": 64}
+
+
+def default_block_rows(num_experts: int, num_rows: int, *, is_int4: bool = False) -> int:
   """Rows per work item: the expected rows per touched expert plus the up-to-7-row offset of an
-  8-aligned window (``work_list``), as a power of two in [16, 64], so that an expert's rows
-  usually fit one window and its weights are read once."""
+  8-aligned window (``work_list``), as a power of two in [16, ``MAX_BLOCK_ROWS``], so that an
+  expert's rows usually fit one window and its weights are read once.
+
+  At prefill sizes that is what sets a call's time: each window reads its expert's weights again.
+  H200, bf16, one K2.6 layer with the model's row ids, the default (128-row items with
+  ``BF16_WIDE_ITEM_TILES``) against 64-row items, same run (``moe_prefill_rows.md``): T = 3072 (64
+  rows an expert) 0.77x at 384 experts and 0.80x at the 48-expert share, T = 4096 0.67x / 0.70x,
+  T = 8192 0.70x / 0.73x; at T = 2560 (53 rows an expert: 64-row items by this rule) 128 rows
+  would take 1.08x / 1.04x. The rows are bit for bit the same either way."""
   per_expert = -(-num_rows // max(1, min(num_experts, num_rows))) + ROW_ALIGN - 1
-  return min(64, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))
+  cap = MAX_BLOCK_ROWS["int4" if is_int4 else "bf16"]
+  return min(cap, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))
 
 
 ITEM_PROGRAMS_MIN = 8
@@ -503,18 +525,28 @@ INT4_TILES = KernelTiles(gate_up=TileConfig(block_k=256, stages=2, chunk_k=CHUNK
 # dequantisation, not by the loads: four stages gained nothing there at any item count.
 BF16_FEW_PROGRAMS_TILES = dataclasses.replace(BF16_TILES, gate_up=TileConfig(block_k=64, stages=8))
 
+# bf16 with items of more than 64 rows (prefill sizes, ``default_block_rows``): the down kernel's
+# 128-feature steps of 128 rows take 48 KB a stage, so four do not fit (``_fit_stages`` keeps three)
+# and a 160 KB program has its SM alone; 64-feature steps take 24 KB, and two 112 KB programs share
+# an SM. H200, one K2.6 layer at T = 4096, 128-row items, same run (``moe_prefill_rows.md``): the
+# down kernel 4442 -> 3467 us at 384 experts, 497 -> 405 at the 48-expert share (the layer 0.93x,
+# 0.94x). The same products in the same order over K (bf16 takes one sum; the GPU's MMAs add K in
+# 16-feature steps whatever the tile): the rows are bit for bit those of ``BF16_TILES`` there.
+BF16_WIDE_ITEM_TILES = dataclasses.replace(BF16_TILES, down=TileConfig(block_k=64, stages=4))
+
 
 def expected_touched(num_experts: int, expected_rows: int) -> float:
   """Experts a step of ``expected_rows`` uniformly routed rows is expected to touch."""
   return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** max(1, expected_rows))
 
 
-def default_tiles(experts, expected_rows: int | None = None) -> KernelTiles:
+def default_tiles(experts, expected_rows: int | None = None, block_rows: int | None = None) -> KernelTiles:
   """The tuned tiles of the weights' format, adjusted where ``expected_rows`` (rows routed to these
   experts) leaves SMs idle: INT4 splits its gate/up kernel (``split_k``: a program per chunk of K,
   4x the programs at K2.6's sizes) where its programs (touched experts x output tiles) are
   expected to fit one per SM; bf16 takes a deeper gate/up ring where at most one gate/up program
-  per two SMs is expected. Every choice gives the same rows bit for bit."""
+  per two SMs is expected, and shorter down steps for items of more than 64 rows (``block_rows``).
+  Every choice gives the same rows bit for bit."""
   if isinstance(experts, Int4Experts):
     tiles = INT4_TILES
     if expected_rows is not None:
@@ -522,6 +554,8 @@ def default_tiles(experts, expected_rows: int | None = None) -> KernelTiles:
       if touched * pl.cdiv(experts.gate.out_features, TILE_N) <= num_sms():
         tiles = dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, split_k=True))
     return tiles
+  if block_rows is not None and block_rows > 64:
+    return BF16_WIDE_ITEM_TILES
   deep = BF16_FEW_PROGRAMS_TILES.gate_up
   if expected_rows is not None:
     num_experts, hidden, inter = experts[0].shape
@@ -1192,13 +1226,14 @@ def default_int4_dequant(num_experts: int, expected_rows: int, inter: int) -> st
   return "registers_serial" if programs >= SERIAL_PROGRAMS_PER_SM * num_sms() else "registers"
 
 
-def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expected_rows, interpret):
+def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expected_rows, interpret, *,
+                     is_int4: bool):
   if a < 1:
     raise ValueError("x_sorted has no rows")
   rows = a if expected_rows is None else expected_rows
   if not isinstance(rows, int) or rows < 1:
     raise ValueError(f"expected_rows={expected_rows!r} must be a positive int")
-  r = block_rows or default_block_rows(e, rows)
+  r = block_rows or default_block_rows(e, rows, is_int4=is_int4)
   if r % MIN_BLOCK_ROWS or not MIN_BLOCK_ROWS <= r <= 128:
     raise ValueError(f"block_rows={r} must be a multiple of {MIN_BLOCK_ROWS} in [16, 128]")
   # The register form is inline PTX for the real GPU; interpret mode (or any non-GPU backend, e.g.
@@ -1297,8 +1332,9 @@ def _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expec
                  count_tile_loads, sorted_expert_ids=None, per_row=None, item_programs=None, work_list_impl=None):
   interpret = interpret_params(interpret)
   a, _, inter, e = _check_inputs(x_sorted, group_sizes, experts)
-  r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret)
-  tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows)
+  r, dequant = _resolve_options(a, e, inter, block_rows, int4_dequant, expected_rows, interpret,
+                                is_int4=isinstance(experts, Int4Experts))
+  tiles = tiles or default_tiles(experts, a if expected_rows is None else expected_rows, r)
   if per_row is not None and not isinstance(per_row, bool):
     raise ValueError(f"per_row={per_row!r}: expected None (auto), True or False")
   if per_row is None:
@@ -1361,7 +1397,8 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       at row A where they sum past it (the rows they would have past A do not exist).
     experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts`` of
       ``KernelInt4Matrix`` (``models.int4.kernel_experts`` converts K2.6's layout once).
-    block_rows: rows per work item (static; default ``default_block_rows(E, expected_rows)``).
+    block_rows: rows per work item (static; default ``default_block_rows(E, expected_rows)``: up to
+      128 for bf16, 64 for INT4).
     int4_dequant: "registers": each step's tile is dequantised by inline PTX straight into the
       MMA's A-operand registers, every weight's MMAs issued before one drain; "registers_serial":
       the same, draining after each weight (114 registers a thread instead of 194: twice the
@@ -1370,8 +1407,8 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
     expected_rows: rows expected to be routed to these experts (static; default A). Under expert
       parallelism, where most of A is other devices' padding, pass the local share (about
       A x E / all experts): it sets the defaults of ``block_rows``, ``int4_dequant`` and ``tiles``.
-    tiles: ``KernelTiles`` (static); default ``default_tiles(experts, expected_rows)`` (tuned on
-      the H200).
+    tiles: ``KernelTiles`` (static); default ``default_tiles(experts, expected_rows, block_rows)``
+      (tuned on the H200).
     interpret: None on the GPU, or ``plgpu.InterpretGPUParams(...)`` to run on the CPU.
     sorted_expert_ids: optional int[A], each sorted row's expert in ascending order (E or more
       for padding rows), consistent with ``group_sizes``. Where A <= E and the list is built in
@@ -1445,8 +1482,9 @@ def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, 
                      f"got shape {tokens.shape}")
   _, _, inter, e = _check_inputs(tokens, None, experts)
   pairs = expert_ids.size
-  r, dequant = _resolve_options(pairs, e, inter, block_rows, int4_dequant, expected_rows, interpret)
-  tiles = tiles or default_tiles(experts, pairs if expected_rows is None else expected_rows)
+  r, dequant = _resolve_options(pairs, e, inter, block_rows, int4_dequant, expected_rows, interpret,
+                                is_int4=isinstance(experts, Int4Experts))
+  tiles = tiles or default_tiles(experts, pairs if expected_rows is None else expected_rows, r)
   return _per_row(tokens, expert_ids, experts, r, dequant, tiles, interpret, count_tile_loads, item_programs,
                   expected_rows)
 

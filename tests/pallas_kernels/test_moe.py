@@ -638,6 +638,49 @@ def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():
   assert live(16) == len(expected_items(sizes, 16)) > 60  # starts 0, 13, 26, ...: offsets 0..7
 
 
+def test_default_block_rows_grows_to_128_for_bf16_and_stops_at_64_for_int4():
+  """Prefill sizes: bf16 items grow to 128 rows once an expert's expected rows (plus the window's
+  up-to-7-row offset) pass 64; INT4's stop at 64 (its in-step chunk sums would not fit beside two
+  stages); below that both formats take the same rule."""
+  for is_int4 in (False, True):
+    assert moe.default_block_rows(384, 2560 * 8, is_int4=is_int4) == 64  # 53 rows an expert
+    assert moe.default_block_rows(48, 8, is_int4=is_int4) == 16
+  assert moe.default_block_rows(384, 3072 * 8) == 128  # 64 rows an expert: 71 with the offset
+  assert moe.default_block_rows(384, 8192 * 8) == 128  # 171: the cap
+  assert moe.default_block_rows(384, 3072 * 8, is_int4=True) == 64
+  assert moe.MAX_BLOCK_ROWS == {"bf16": 128, "int4": 64}
+
+
+def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
+  """Experts of 58-121 rows at unaligned starts: 64-row windows read most of them twice, the
+  default 128-row items (with ``BF16_WIDE_ITEM_TILES``' shorter down steps) once each, exactly one
+  gate/up tile load per (touched expert, output tile, k-step); and the rows are bit for bit those
+  of 64-row items with the same tiles (each row's products in the same order), and the
+  reference's. (Against ``BF16_TILES``' longer down steps only on the GPU, whose MMAs add k in
+  16-feature steps whatever the tile: interpret mode sums a step's product in one dot.)"""
+  rng = np.random.default_rng(50)
+  sizes = np.array([90, 0, 75, 121, 58, 3], np.int32)
+  order = np.arange(int(sizes.sum()) + 5)  # 5 padding rows
+  x = sorted_rows(rng, order, sizes, H)
+  experts = random_weights(50)
+  assert moe.default_block_rows(E, len(order)) == 128
+  assert moe.default_tiles(experts, len(order), 128) == moe.BF16_WIDE_ITEM_TILES
+  assert moe.BF16_WIDE_ITEM_TILES.down != moe.BF16_TILES.down
+  wide, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts,
+                                                                    interpret=INTERPRET)
+  touched = int((sizes > 0).sum())
+  gate_up_tiles, down_tiles = -(-I // 64), -(-H // 64)
+  k_steps = -(-H // moe.BF16_WIDE_ITEM_TILES.gate_up.block_k)
+  assert (np.asarray(gate_up_steps) > 0).sum() == touched * gate_up_tiles
+  assert np.asarray(gate_up_steps).sum() == touched * gate_up_tiles * k_steps
+  assert (np.asarray(down_steps) > 0).sum() == touched * down_tiles
+  assert len(expected_items(sizes, 64)) > touched + 2  # what 64-row windows would have read
+  narrow = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=64, tiles=moe.BF16_WIDE_ITEM_TILES,
+                           interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(wide, np.float32), np.asarray(narrow, np.float32))
+  assert_close(wide, reference(x, sizes, experts), int(sizes.sum()))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 @pytest.mark.parametrize("grid_order", ["item_minor", "tile_minor"])
 def test_only_touched_experts_are_read(fmt, grid_order):
@@ -1355,6 +1398,23 @@ def test_gpu_sorted_expert_ids_give_the_same_result(gpu, fmt, dequant):
                             sorted_expert_ids=jnp.asarray(ids, jnp.int32))
   np.testing.assert_array_equal(np.asarray(by_rows, np.float32), np.asarray(by_sizes, np.float32))
   assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
+
+
+@pytest.mark.gpu
+def test_gpu_wide_bf16_items_at_kimi_widths_give_the_64_row_items_rows(gpu):
+  """Prefill-sized experts (58-121 rows) at K2.6's H and I on the real kernels: the default 128-row
+  items (down steps of 64 features, two programs an SM) give the rows of 64-row items with the
+  tuned tiles bit for bit, and the reference's."""
+  rng = np.random.default_rng(51)
+  sizes = np.array([90, 0, 75, 121, 58, 3], np.int32)  # 352 rows with 5 of padding: 59 an expert
+  order = np.arange(int(sizes.sum()) + 5)
+  x = sorted_rows(rng, order, sizes, 7168)
+  experts = random_weights(51, num_experts=len(sizes), hidden=7168, inter=2048, scale=0.02)
+  assert moe.default_block_rows(len(sizes), len(order)) == 128
+  wide = moe.moe_experts(x, jnp.asarray(sizes), experts)
+  narrow = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=64)
+  np.testing.assert_array_equal(np.asarray(wide, np.float32), np.asarray(narrow, np.float32))
+  assert_close(wide, reference(x, sizes, experts), int(sizes.sum()))
 
 
 @pytest.mark.gpu
