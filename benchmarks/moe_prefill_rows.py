@@ -1,4 +1,4 @@
-"""bf16 MoE work items of 64 against 128 rows at prefill sizes (H200).
+"""bf16 MoE rows per work item at prefill sizes: 64 against 128, or any set (H200).
 
     PYTHONPATH=. python3 benchmarks/moe_prefill_rows.py --out benchmarks/results   # on the GPU
 
@@ -13,14 +13,17 @@ experts and the 48-expert share, at T where an expert expects 53 to 171 rows, wi
 * ``128 rows, BF16_TILES``: 128-row items with the same tiles (the down kernel then keeps three
   of its four stages, and one program an SM);
 * ``default``: what the kernel picks (``default_block_rows``, ``default_tiles``: 128-row items take
-  ``BF16_WIDE_ITEM_TILES``).
+  ``BF16_WIDE_ITEM_TILES``);
+
+or, with ``--rows R ...``, ``R rows`` for each R (``block_rows=R``, default tiles), to check the rule
+at other T.
 
 Routings as ``bench_moe.py`` draws them (random top-8 over 384 experts, the share keeping its
 experts' rows, the rest padding), ``--routings`` of them as the calls of one executable, GPU time
 from CUPTI, the variants of a cell in turn ``--repeats`` times. Each row: GPU us per layer call,
 the fraction of the touched experts' weight-read roofline (a stream measured in the same run), the
-kernels' shares, the time against ``64 rows``, and whether every routed row equals ``64 rows``'
-bit for bit. Writes ``moe_prefill_rows.json`` and ``.md`` (``--name``).
+kernels' shares, the time against the cell's first variant, and whether every routed row equals
+its rows bit for bit. Writes ``moe_prefill_rows.json`` and ``.md`` (``--name``).
 """
 
 import statistics
@@ -41,8 +44,10 @@ ROUTINGS = 4
 REPEATS = 3
 
 
-def variants() -> dict:
-  """name -> ``moe_experts`` keyword arguments."""
+def variants(rows=None) -> dict:
+  """name -> ``moe_experts`` keyword arguments: the three above, or ``R rows`` for each R of ``rows``."""
+  if rows:
+    return {f"{r} rows": dict(block_rows=r) for r in rows}
   return {"64 rows": dict(block_rows=64), "128 rows, BF16_TILES": dict(block_rows=128, tiles=moe.BF16_TILES),
           "default": {}}
 
@@ -67,17 +72,18 @@ def calls(tokens: int, experts: int, routings: int, seed: int) -> list:
 
 
 def cell(row: dict) -> tuple:
-  return (row["experts"], row["tokens"], list(variants()).index(row["variant"]))
+  return (row["experts"], row["tokens"], row["block_rows"], row["variant"])
 
 
 def markdown(result: dict) -> str:
-  lines = [f"# bf16 MoE work items of 64 against 128 rows at prefill sizes ({result['device']}, jax {result['jax']})",
+  lines = [f"# bf16 MoE rows per work item at prefill sizes ({result['device']}, jax {result['jax']})",
            "", "One K2.6 layer (gate, up, down) as the model calls it (sorted rows' expert ids given), bf16, "
            f"{result['routings']} routings as the calls of one executable. GPU us per layer call (CUPTI; the median of "
            f"{result['repeats']} timings, the variants of a cell in turn), the fraction of the touched experts' "
-           "weight-read roofline (stream measured in the same run), the kernels' shares, the time against "
-           "`64 rows`, and whether every routed row equals `64 rows`' bit for bit. R: rows per work item.", "",
-           "| E | T | rows an expert | variant | R | GPU us | of roofline | kernels | vs 64 rows | same rows |",
+           "weight-read roofline (stream measured in the same run), the kernels' shares, the time against the "
+           "cell's first variant, and whether every routed row equals its rows bit for bit. R: rows per work "
+           "item.", "",
+           "| E | T | rows an expert | variant | R | GPU us | of roofline | kernels | vs first | same rows |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
     lines.append(f"| {row['experts']} | {row['tokens']} | {row['rows_per_expert']:.0f} | {row['variant']} | "
@@ -87,14 +93,14 @@ def markdown(result: dict) -> str:
   return results_io.with_command(lines, result)
 
 
-def time_cell(experts: int, tokens: int, stream: float, routings: int, repeats: int, w) -> list:
+def time_cell(experts: int, tokens: int, stream: float, routings: int, repeats: int, w, rows=None) -> list:
   cell_calls = calls(tokens, experts, routings, seed=1000 * experts + tokens)
   xs, gs = [c[0] for c in cell_calls], [c[1] for c in cell_calls]
   expected = bench.expected_rows(xs[0], gs[0][0])
   routed = [int(np.asarray(g[0]).sum()) for g in gs]
   touched = float(np.mean([int((np.asarray(g[0]) > 0).sum()) for g in gs]))
   roofline_us = bench.weight_bytes("bf16", touched) / stream * 1e6
-  named = variants()
+  named = variants(rows)
   steps = {name: bench.in_step(layer(expected, **options)) for name, options in named.items()}
   first = None
   same = {}
@@ -109,20 +115,20 @@ def time_cell(experts: int, tokens: int, stream: float, routings: int, repeats: 
   for _ in range(repeats):
     for name, step in steps.items():
       timings[name].append(bench.device_in_step(step, cell_calls, w))
-  rows = []
+  out = []
   base = None
   for name, options in named.items():
     gpu_us = statistics.median(us for us, _ in timings[name])
     base = base or gpu_us
     block_rows = options.get("block_rows") or moe.default_block_rows(experts, expected)
     kernels = {k: us for k, us in timings[name][-1][1].items() if "mosaic_gpu" in k}
-    rows.append(dict(experts=experts, tokens=tokens, rows_per_expert=expected / experts, variant=name,
+    out.append(dict(experts=experts, tokens=tokens, rows_per_expert=expected / experts, variant=name,
                      block_rows=block_rows, touched=touched, gpu_us=gpu_us, roofline_us=roofline_us,
                      roofline_fraction=roofline_us / gpu_us, kernels=kernels, vs_first=gpu_us / base,
                      same_rows=same[name]))
     print(f"E={experts} T={tokens} {name} (R={block_rows}): {gpu_us:.0f} us ({roofline_us / gpu_us:.1%}), "
           f"{gpu_us / base:.3f}x, same rows {same[name]}", flush=True)
-  return rows
+  return out
 
 
 def main():
@@ -131,8 +137,13 @@ def main():
   parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
   parser.add_argument("--routings", type=int, default=ROUTINGS)
   parser.add_argument("--repeats", type=int, default=REPEATS)
+  parser.add_argument("--rows", type=int, nargs="*", default=[],
+                      help="time R rows per item for each R instead of the three variants")
   args = parser.parse_args()
   results_io.check_positive(parser, routings=args.routings, repeats=args.repeats)
+  for r in args.rows:
+    if r % moe.MIN_BLOCK_ROWS or not moe.MIN_BLOCK_ROWS <= r <= moe.MAX_BLOCK_ROWS["bf16"]:
+      parser.error(f"--rows: {r} is not a multiple of {moe.MIN_BLOCK_ROWS} in [16, 128]")
   results_io.require_gpu("moe_prefill_rows.py")
   start = time.perf_counter()
   stream = bench.ceilings()["stream_read_bytes_per_s"]
@@ -140,7 +151,7 @@ def main():
   for experts in args.experts:
     w = bench.make_bf16(jax.random.key(experts), experts)
     for tokens in args.tokens:
-      rows += time_cell(experts, tokens, stream, args.routings, args.repeats, w)
+      rows += time_cell(experts, tokens, stream, args.routings, args.repeats, w, args.rows)
     del w
   command = "PYTHONPATH=. python3 " + " ".join(sys.argv)
   results_io.save_rows(rows, out=args.out, name=args.name, command=command, start=start, markdown=markdown,

@@ -158,7 +158,9 @@ def default_block_rows(num_experts: int, num_rows: int, *, is_int4: bool = False
   ``BF16_WIDE_ITEM_TILES``) against 64-row items, same run (``moe_prefill_rows.md``): T = 3072 (64
   rows an expert) 0.77x at 384 experts and 0.80x at the 48-expert share, T = 4096 0.67x / 0.70x,
   T = 8192 0.70x / 0.73x; at T = 2560 (53 rows an expert: 64-row items by this rule) 128 rows
-  would take 1.08x / 1.04x. The rows are bit for bit the same either way."""
+  would take 1.08x / 1.04x. Below that the rule's choice (32 rows at T = 512 and 1024, 64 at 2048)
+  was the fastest of 16, 32 and 64 in every cell (``moe_rows_mid.md``). The rows are bit for bit the
+  same whatever R."""
   per_expert = -(-num_rows // max(1, min(num_experts, num_rows))) + ROW_ALIGN - 1
   cap = MAX_BLOCK_ROWS["int4" if is_int4 else "bf16"]
   return min(cap, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))

@@ -26,6 +26,7 @@ def test_variants_call_the_rows_and_tiles_they_name(bench, monkeypatch):
   assert [g for g, _ in seen] == ["sizes"] * 3
   got = [(kw["expected_rows"], kw["sorted_expert_ids"], kw.get("block_rows"), kw.get("tiles")) for _, kw in seen]
   assert got == [(85, "ids", 64, None), (85, "ids", 128, moe.BF16_TILES), (85, "ids", None, None)]
+  assert bench.variants([16, 32]) == {"16 rows": dict(block_rows=16), "32 rows": dict(block_rows=32)}
 
 
 def test_calls_are_sorted_rows_with_their_experts(bench):
@@ -52,13 +53,17 @@ def test_markdown_rows(bench):
   lines = text.splitlines()
   assert "| 384 | 4096 | 85 | 64 rows | 64 | 14248 | 52.2% | moe_gate_up 8734.7 | 1.000x | yes |" in lines
   assert "| 48 | 4096 | 85 | default | 128 | 1396 | 66.6% | moe_down 396.7 | 0.690x | **no** |" in lines
-  assert bench.cell(rows[1]) == (48, 4096, 2)
+  assert bench.cell(rows[1]) == (48, 4096, 128, "default")
 
 
-def test_routings_below_one_are_refused(bench, monkeypatch, capsys):
+def test_routings_below_one_and_rows_the_kernel_refuses_are_refused(bench, monkeypatch, capsys):
   with pytest.raises(SystemExit):
     run_main(monkeypatch, bench, "--routings", "0")
   assert "--routings must be >= 1, got 0" in capsys.readouterr().err
+  for bad in ("24", "256"):
+    with pytest.raises(SystemExit):
+      run_main(monkeypatch, bench, "--rows", "16", bad)
+    assert f"--rows: {bad} is not a multiple of 16 in [16, 128]" in capsys.readouterr().err
 
 
 def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
@@ -97,3 +102,7 @@ def test_main_times_each_variant_and_compares_rows_with_the_first(bench, tmp_pat
   touched = rows[0]["touched"]
   assert 0 < touched <= 48 and rows[0]["roofline_us"] == pytest.approx(timing.weight_bytes("bf16", touched) / 4e12 * 1e6)
   assert (tmp_path / "moe_prefill_rows.md").read_text().count("\n| 48 | 6 |") == 3
+  run_main(monkeypatch, bench, "--out", str(tmp_path), "--experts", "48", "--tokens", "6", "--routings", "1",
+           "--repeats", "1", "--rows", "16", "32", "--name", "rows")
+  rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+  assert [(r["variant"], r["block_rows"], r["same_rows"]) for r in rows] == [("16 rows", 16, True), ("32 rows", 32, True)]
