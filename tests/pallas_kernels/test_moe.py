@@ -158,9 +158,11 @@ def test_all_tokens_on_one_expert(fmt):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_widest_work_items(fmt):
-  # 64-row items (the widest default): experts 2 and 5 get 24 and 46 rows, one item each, the
-  # second's window moved back to end at the last row.
-  check_case(fmt, 70, seed=9, interpret=INTERPRET, top_k=1, allowed=(2, 5), num_padded=2, block_rows=64)
+  # The widest default items (128 rows for bf16, 64 for INT4): experts 2 and 5 get 24 and 46 rows,
+  # one item each; at 64 rows the second's window moved back to end at the last row, at 128 (past
+  # the 72 rows) both windows start at row 0.
+  check_case(fmt, 70, seed=9, interpret=INTERPRET, top_k=1, allowed=(2, 5), num_padded=2,
+             block_rows=moe.MAX_BLOCK_ROWS[fmt])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
