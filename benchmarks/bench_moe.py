@@ -217,6 +217,13 @@ def expected_rows(x, g):
   return max(1, x.shape[0] * g.shape[0] // ALL_EXPERTS)
 
 
+def default_tiles(x, g, w):
+  """The tiles ``moe_experts`` would pick for this call (from its expected rows and rows per item)."""
+  rows = expected_rows(x, g)
+  block_rows = moe.default_block_rows(g.shape[0], rows, is_int4=isinstance(w, moe.Int4Experts))
+  return moe.default_tiles(w, rows, block_rows)
+
+
 IMPLS = {
     "pallas": lambda x, g, w: moe.moe_experts(x, g, w, expected_rows=expected_rows(x, g)),
     # The two INT4 forms forced (the default picks one by the expected programs per SM).
@@ -226,8 +233,8 @@ IMPLS = {
                                                      int4_dequant="registers_serial"),
     # The other launch order of the kernels' programs (``moe.KernelTiles.grid_order``).
     "pallas_item_minor": lambda x, g, w: moe.moe_experts(
-        x, g, w, expected_rows=expected_rows(x, g),
-        tiles=dataclasses.replace(moe.default_tiles(w), grid_order="item_minor")),
+        x, g, w, expected_rows=expected_rows(x, g), tiles=dataclasses.replace(default_tiles(x, g, w),
+                                                                              grid_order="item_minor")),
     # The sorted rows' experts given (``moe.work_list_from_rows`` where A <= E, else the rows'
     # columns): its "g" is (group_sizes, sorted expert ids), ids the model's sort has (``with_row_ids``).
     "pallas_rows": lambda x, g, w: moe.moe_experts(x, g[0], w, expected_rows=expected_rows(x, g[0]),

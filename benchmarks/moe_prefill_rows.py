@@ -9,7 +9,7 @@ T = 4096 routes ~85 rows to each expert, past 64. This times one layer (gate, up
 model calls it (``moe_experts`` with the sorted rows' expert ids and ``expected_rows``), for 384
 experts and the 48-expert share, at T where an expert expects 53 to 171 rows, with:
 
-* ``64 rows``: ``block_rows=64`` (the cap before this script's run) and its tiles, ``BF16_TILES``;
+* ``64 rows``: ``block_rows=64`` (the cap before 128-row items) and its tiles, ``BF16_TILES``;
 * ``128 rows, BF16_TILES``: 128-row items with the same tiles (the down kernel then keeps three
   of its four stages, and one program an SM);
 * ``default``: what the kernel picks (``default_block_rows``, ``default_tiles``: 128-row items take
@@ -22,8 +22,8 @@ Routings as ``bench_moe.py`` draws them (random top-8 over 384 experts, the shar
 experts' rows, the rest padding), ``--routings`` of them as the calls of one executable, GPU time
 from CUPTI, the variants of a cell in turn ``--repeats`` times. Each row: GPU us per layer call,
 the fraction of the touched experts' weight-read roofline (a stream measured in the same run), the
-kernels' shares, the time against the cell's first variant, and whether every routed row equals
-its rows bit for bit. Writes ``moe_prefill_rows.json`` and ``.md`` (``--name``).
+kernels' times in the last timing, the time against the cell's first variant, and whether every
+routed row equals the first variant's bit for bit. Writes ``moe_prefill_rows.json`` and ``.md`` (``--name``).
 """
 
 import statistics
@@ -80,9 +80,9 @@ def markdown(result: dict) -> str:
            "", "One K2.6 layer (gate, up, down) as the model calls it (sorted rows' expert ids given), bf16, "
            f"{result['routings']} routings as the calls of one executable. GPU us per layer call (CUPTI; the median of "
            f"{result['repeats']} timings, the variants of a cell in turn), the fraction of the touched experts' "
-           "weight-read roofline (stream measured in the same run), the kernels' shares, the time against the "
-           "cell's first variant, and whether every routed row equals its rows bit for bit. R: rows per work "
-           "item.", "",
+           "weight-read roofline (stream measured in the same run), the kernels' times in the last timing, the "
+           "time against the cell's first variant, and whether every routed row equals the first variant's bit "
+           "for bit. R: rows per work item.", "",
            "| E | T | rows an expert | variant | R | GPU us | of roofline | kernels | vs first | same rows |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
@@ -120,7 +120,7 @@ def time_cell(experts: int, tokens: int, stream: float, routings: int, repeats: 
   for name, options in named.items():
     gpu_us = statistics.median(us for us, _ in timings[name])
     base = base or gpu_us
-    block_rows = options.get("block_rows") or moe.default_block_rows(experts, expected)
+    block_rows = options.get("block_rows") or moe.default_block_rows(experts, expected, is_int4=False)
     kernels = {k: us for k, us in timings[name][-1][1].items() if "mosaic_gpu" in k}
     out.append(dict(experts=experts, tokens=tokens, rows_per_expert=expected / experts, variant=name,
                      block_rows=block_rows, touched=touched, gpu_us=gpu_us, roofline_us=roofline_us,
@@ -141,6 +141,12 @@ def main():
                       help="time R rows per item for each R instead of the three variants")
   args = parser.parse_args()
   results_io.check_positive(parser, routings=args.routings, repeats=args.repeats)
+  for e in args.experts:
+    if not 1 <= e <= bench.ALL_EXPERTS:
+      parser.error(f"--experts: {e} is not in [1, {bench.ALL_EXPERTS}] (a share of K2.6's experts)")
+  for t in args.tokens:
+    if t < 1:
+      parser.error(f"--tokens: {t} must be >= 1")
   for r in args.rows:
     if r % moe.MIN_BLOCK_ROWS or not moe.MIN_BLOCK_ROWS <= r <= moe.MAX_BLOCK_ROWS["bf16"]:
       parser.error(f"--rows: {r} is not a multiple of {moe.MIN_BLOCK_ROWS} in [16, 128]")

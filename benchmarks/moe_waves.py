@@ -81,7 +81,7 @@ def dead_programs(weights, tokens):
     sets = bench.routings(t, EXPERTS, seed=EXPERTS * 100 + t)
     a = sets[0][0].shape[0]
     expected = bench.expected_rows(sets[0][0], sets[0][1])
-    r = moe.default_block_rows(EXPERTS, expected)
+    r = moe.default_block_rows(EXPERTS, expected, is_int4=True)  # one list for both formats: INT4's cap fits both
     dead = [(x, jnp.zeros_like(g), 0, ids) for x, g, _, ids in sets]
     lists = [moe.work_list(g, a, r) for _, g, _, _ in sets]
     live = [np.asarray(wl.expert) >= 0 for wl in lists]

@@ -52,9 +52,10 @@ VARIANTS = {
 def prep_only(x_sorted, group_sizes, w):
   """The plain-jnp part of ``moe_experts`` with the kernels left out: the work list, and a take of
   A rows as the one back from the work layout does (here from x_sorted itself)."""
-  del w
   a = x_sorted.shape[0]
-  work = moe.work_list(group_sizes, a, bench_moe.block_rows(x_sorted, group_sizes))
+  rows = moe.default_block_rows(group_sizes.shape[0], bench_moe.expected_rows(x_sorted, group_sizes),
+                                is_int4=isinstance(w, moe.Int4Experts))
+  work = moe.work_list(group_sizes, a, rows)
   y = jnp.take(x_sorted, jnp.clip(work.row_column, 0, a - 1), axis=0)
   return jnp.where(work.routed[:, None], y, 0)
 

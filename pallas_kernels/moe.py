@@ -81,8 +81,9 @@ list) and 52-70% for T = 9..136 with 48, 24% at T = 1 (31% with the row ids and 
 ``moe_chunk_k.md``; ``moe_waves.md``: what bounds the share's small T). At prefill sizes a call is
 bound by the weight reads, once per work item (``default_block_rows``): bf16 at T = 4096 (85 rows
 an expert, 128-row items) takes 0.48x the time of jax's ``ragged_dot_mgpu`` at 384 experts and
-0.24x at the 48-expert share (``bench_moe_prefill.md``); INT4, capped at 64-row items, is bound
-by dequantising each weight tile once per item there (16-17% of its weight stream at T = 4096).
+0.24x at the 48-expert share (``bench_moe_prefill.md``); INT4, capped at 64-row items, reaches
+16-17% of its weight stream at T = 4096, likely bound by dequantising each weight tile once per
+item (not profiled).
 Where few experts are
 touched the INT4 kernels are latency-bound: at 384 experts and T = 1 (256 gate/up programs, 172
 registers a thread, so two programs and two warps per scheduler) ncu reads DRAM at 61% of its
@@ -148,7 +149,7 @@ def max_work_items(num_experts: int, num_rows: int, block_rows: int) -> int:
 MAX_BLOCK_ROWS = {"bf16": 128, "int4": 64}
 
 
-def default_block_rows(num_experts: int, num_rows: int, *, is_int4: bool = False) -> int:
+def default_block_rows(num_experts: int, num_rows: int, *, is_int4: bool) -> int:
   """Rows per work item: the expected rows per touched expert plus the up-to-7-row offset of an
   8-aligned window (``work_list``), as a power of two in [16, ``MAX_BLOCK_ROWS``], so that an
   expert's rows usually fit one window and its weights are read once.
@@ -157,10 +158,11 @@ def default_block_rows(num_experts: int, num_rows: int, *, is_int4: bool = False
   H200, bf16, one K2.6 layer with the model's row ids, the default (128-row items with
   ``BF16_WIDE_ITEM_TILES``) against 64-row items, same run (``moe_prefill_rows.md``): T = 3072 (64
   rows an expert) 0.77x at 384 experts and 0.80x at the 48-expert share, T = 4096 0.67x / 0.70x,
-  T = 8192 0.70x / 0.73x; at T = 2560 (53 rows an expert: 64-row items by this rule) 128 rows
-  would take 1.08x / 1.04x. Below that the rule's choice (32 rows at T = 512 and 1024, 64 at 2048)
-  was the fastest of 16, 32 and 64 in every cell (``moe_rows_mid.md``). The rows are bit for bit the
-  same whatever R."""
+  T = 8192 0.70x / 0.73x. At T = 2560 (53 rows an expert: 64-row items by this rule) 128-row items
+  with ``BF16_TILES`` took 1.08x / 1.04x; with the wide tiles (0.93x of the layer at T = 4096) it
+  was not timed, so the threshold is not settled against them. Below that the rule's choice (32
+  rows at T = 512 and 1024, 64 at 2048) was the fastest of 16, 32 and 64 in every cell
+  (``moe_rows_mid.md``). The rows are bit for bit the same whatever R."""
   per_expert = -(-num_rows // max(1, min(num_experts, num_rows))) + ROW_ALIGN - 1
   cap = MAX_BLOCK_ROWS["int4" if is_int4 else "bf16"]
   return min(cap, max(MIN_BLOCK_ROWS, 1 << (per_expert - 1).bit_length()))
@@ -531,8 +533,8 @@ BF16_FEW_PROGRAMS_TILES = dataclasses.replace(BF16_TILES, gate_up=TileConfig(blo
 # 128-feature steps of 128 rows take 48 KB a stage, so four do not fit (``_fit_stages`` keeps three)
 # and a 160 KB program has its SM alone; 64-feature steps take 24 KB, and two 112 KB programs share
 # an SM. H200, one K2.6 layer at T = 4096, 128-row items, same run (``moe_prefill_rows.md``): the
-# down kernel 4442 -> 3467 us at 384 experts, 497 -> 405 at the 48-expert share (the layer 0.93x,
-# 0.94x). The same products in the same order over K (bf16 takes one sum; the GPU's MMAs add K in
+# down kernel 4442 -> 3467 us at 384 experts, 497 -> 405 at the 48-expert share (the last of 3
+# timings; the layer 0.93x, 0.94x, medians). The same products in the same order over K (bf16 takes one sum; the GPU's MMAs add K in
 # 16-feature steps whatever the tile): the rows are bit for bit those of ``BF16_TILES`` there.
 BF16_WIDE_ITEM_TILES = dataclasses.replace(BF16_TILES, down=TileConfig(block_k=64, stages=4))
 
@@ -1236,8 +1238,10 @@ def _resolve_options(a: int, e: int, inter: int, block_rows, int4_dequant, expec
   if not isinstance(rows, int) or rows < 1:
     raise ValueError(f"expected_rows={expected_rows!r} must be a positive int")
   r = block_rows or default_block_rows(e, rows, is_int4=is_int4)
-  if r % MIN_BLOCK_ROWS or not MIN_BLOCK_ROWS <= r <= 128:
-    raise ValueError(f"block_rows={r} must be a multiple of {MIN_BLOCK_ROWS} in [16, 128]")
+  fmt = "int4" if is_int4 else "bf16"
+  if r % MIN_BLOCK_ROWS or not MIN_BLOCK_ROWS <= r <= MAX_BLOCK_ROWS[fmt]:
+    raise ValueError(f"block_rows={r} must be a multiple of {MIN_BLOCK_ROWS} in [16, {MAX_BLOCK_ROWS[fmt]}] "
+                     f"for {fmt} experts")
   # The register form is inline PTX for the real GPU; interpret mode (or any non-GPU backend, e.g.
   # under plgpu.force_gpu_interpret_mode) runs the plain-jnp shared-memory form.
   on_gpu = interpret is None and jax.default_backend() == "gpu"
@@ -1399,7 +1403,7 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
       at row A where they sum past it (the rows they would have past A do not exist).
     experts: ``Bf16Experts`` (gate, up [E, H, I]; down [E, I, H]) or ``Int4Experts`` of
       ``KernelInt4Matrix`` (``models.int4.kernel_experts`` converts K2.6's layout once).
-    block_rows: rows per work item (static; default ``default_block_rows(E, expected_rows)``: up to
+    block_rows: rows per work item (static; default ``default_block_rows(E, expected_rows, is_int4=...)``: up to
       128 for bf16, 64 for INT4).
     int4_dequant: "registers": each step's tile is dequantised by inline PTX straight into the
       MMA's A-operand registers, every weight's MMAs issued before one drain; "registers_serial":

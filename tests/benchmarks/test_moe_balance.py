@@ -36,7 +36,7 @@ def test_balanced_programs_give_one_program_per_tile_bit_for_bit(balance, fmt, p
   test_moe.assert_close(want[0], test_moe.reference(x, sizes, experts), int(sizes.sum()))
   chunks = int(np.asarray(want[1]).max())  # one step a chunk
   # The kernel's tiles: every (item slot below the list's count, output tile).
-  work = moe.work_list(g, x.shape[0], moe.default_block_rows(len(sizes), x.shape[0]))
+  work = moe.work_list(g, x.shape[0], moe.default_block_rows(len(sizes), x.shape[0], is_int4=fmt == "int4"))
   num_tiles = int(work.num_slots[0]) * np.asarray(want[1]).shape[0]
   for p in programs:
     # The counts chosen below the tiles cut some (the fold's path); past them, none is cut.

@@ -56,7 +56,7 @@ def test_markdown_rows(bench):
   assert bench.cell(rows[1]) == (48, 4096, 128, "default")
 
 
-def test_routings_below_one_and_rows_the_kernel_refuses_are_refused(bench, monkeypatch, capsys):
+def test_bad_options_are_refused_by_name(bench, monkeypatch, capsys):
   with pytest.raises(SystemExit):
     run_main(monkeypatch, bench, "--routings", "0")
   assert "--routings must be >= 1, got 0" in capsys.readouterr().err
@@ -64,6 +64,12 @@ def test_routings_below_one_and_rows_the_kernel_refuses_are_refused(bench, monke
     with pytest.raises(SystemExit):
       run_main(monkeypatch, bench, "--rows", "16", bad)
     assert f"--rows: {bad} is not a multiple of 16 in [16, 128]" in capsys.readouterr().err
+  for flag, bad, message in (("--experts", "385", "--experts: 385 is not in [1, 384]"),
+                             ("--experts", "0", "--experts: 0 is not in [1, 384]"),
+                             ("--tokens", "0", "--tokens: 0 must be >= 1")):
+    with pytest.raises(SystemExit):
+      run_main(monkeypatch, bench, flag, bad)
+    assert message in capsys.readouterr().err
 
 
 def test_refuses_to_run_off_the_gpu(bench, tmp_path, monkeypatch):
@@ -95,7 +101,7 @@ def test_main_times_each_variant_and_compares_rows_with_the_first(bench, tmp_pat
   assert result["repeats"] == 3 and result["routings"] == 2
   assert [r["variant"] for r in rows] == list(bench.variants())
   assert [r["same_rows"] for r in rows] == [True, False, True]
-  assert [r["block_rows"] for r in rows] == [64, 128, moe.default_block_rows(48, 6)]
+  assert [r["block_rows"] for r in rows] == [64, 128, moe.default_block_rows(48, 6, is_int4=False)]
   # Timed in turn: 64 rows takes clock ticks 0, 3, 6 (100 us each), 128 rows 1, 4, 7 (101), default 102.
   assert [r["gpu_us"] for r in rows] == [100.0, 101.0, 102.0]
   assert rows[1]["vs_first"] == pytest.approx(1.01)

@@ -617,7 +617,8 @@ def test_expected_rows_sets_the_defaults_and_is_checked():
   order, sizes = routing(rng, 100, 2, E, (0, 2, 3), num_padded=0)
   x = sorted_rows(rng, order, sizes, H)
   experts = random_weights(5)
-  assert moe.default_block_rows(E, len(order)) == 64 and moe.default_block_rows(E, 6) == 16
+  assert (moe.default_block_rows(E, len(order), is_int4=False) == 64
+          and moe.default_block_rows(E, 6, is_int4=False) == 16)
   got, gate_up_steps, _ = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, expected_rows=6,
                                                           interpret=INTERPRET)
   assert gate_up_steps.shape[1] == moe.max_work_items(E, len(order), 16) != moe.max_work_items(E, len(order), 64)
@@ -633,7 +634,7 @@ def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():
   one window."""
   sizes = np.full(48, 13, np.int32)
   num_rows = int(sizes.sum())
-  r = moe.default_block_rows(48, num_rows)
+  r = moe.default_block_rows(48, num_rows, is_int4=False)
   assert r == 32
   live = lambda block_rows: int((np.asarray(moe.work_list(jnp.asarray(sizes), num_rows, block_rows).expert) >= 0).sum())
   assert live(r) == 48
@@ -643,14 +644,18 @@ def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():
 def test_default_block_rows_grows_to_128_for_bf16_and_stops_at_64_for_int4():
   """Prefill sizes: bf16 items grow to 128 rows once an expert's expected rows (plus the window's
   up-to-7-row offset) pass 64; INT4's stop at 64 (its in-step chunk sums would not fit beside two
-  stages); below that both formats take the same rule."""
+  stages); below that both formats take the same rule. An INT4 call asking for more is refused
+  by name."""
   for is_int4 in (False, True):
     assert moe.default_block_rows(384, 2560 * 8, is_int4=is_int4) == 64  # 53 rows an expert
     assert moe.default_block_rows(48, 8, is_int4=is_int4) == 16
-  assert moe.default_block_rows(384, 3072 * 8) == 128  # 64 rows an expert: 71 with the offset
-  assert moe.default_block_rows(384, 8192 * 8) == 128  # 171: the cap
+  assert moe.default_block_rows(384, 3072 * 8, is_int4=False) == 128  # 64 rows an expert: 71 with the offset
+  assert moe.default_block_rows(384, 8192 * 8, is_int4=False) == 128  # 171: the cap
   assert moe.default_block_rows(384, 3072 * 8, is_int4=True) == 64
   assert moe.MAX_BLOCK_ROWS == {"bf16": 128, "int4": 64}
+  x, sizes = jnp.zeros((8, H), jnp.bfloat16), jnp.asarray([8, 0, 0, 0, 0, 0], jnp.int32)
+  with pytest.raises(ValueError, match=r"block_rows=128 must be a multiple of 16 in \[16, 64\] for int4 experts"):
+    moe.moe_experts(x, sizes, as_format(random_weights(3), "int4"), block_rows=128, interpret=INTERPRET)
 
 
 def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
@@ -665,7 +670,7 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   order = np.arange(int(sizes.sum()) + 5)  # 5 padding rows
   x = sorted_rows(rng, order, sizes, H)
   experts = random_weights(50)
-  assert moe.default_block_rows(E, len(order)) == 128
+  assert moe.default_block_rows(E, len(order), is_int4=False) == 128
   assert moe.default_tiles(experts, len(order), 128) == moe.BF16_WIDE_ITEM_TILES
   assert moe.BF16_WIDE_ITEM_TILES.down != moe.BF16_TILES.down
   wide, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts,
@@ -699,7 +704,7 @@ def test_only_touched_experts_are_read(fmt, grid_order):
   y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), poisoned, tiles=tiles,
                                                                  interpret=INTERPRET)
   assert_close(y, reference(x, sizes, clean), int(sizes.sum()))
-  block_rows = moe.default_block_rows(E, len(order))
+  block_rows = moe.default_block_rows(E, len(order), is_int4=fmt == "int4")
   items = expected_items(sizes, block_rows)
   assert len(items) == len(touched)  # 12 rows over two experts: one item each
   gate_up_k, down_k = -(-H // tiles.gate_up.block_k), -(-I // tiles.down.block_k)
@@ -1412,7 +1417,7 @@ def test_gpu_wide_bf16_items_at_kimi_widths_give_the_64_row_items_rows(gpu):
   order = np.arange(int(sizes.sum()) + 5)
   x = sorted_rows(rng, order, sizes, 7168)
   experts = random_weights(51, num_experts=len(sizes), hidden=7168, inter=2048, scale=0.02)
-  assert moe.default_block_rows(len(sizes), len(order)) == 128
+  assert moe.default_block_rows(len(sizes), len(order), is_int4=False) == 128
   wide = moe.moe_experts(x, jnp.asarray(sizes), experts)
   narrow = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=64)
   np.testing.assert_array_equal(np.asarray(wide, np.float32), np.asarray(narrow, np.float32))
@@ -1442,7 +1447,7 @@ def test_gpu_tile_loads_follow_touched_experts(gpu, fmt, grid_order):
   tiles = dataclasses.replace(moe.default_tiles(experts), grid_order=grid_order)
   y, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts, tiles=tiles)
   assert_close(y, reference(x, sizes, experts), int(sizes.sum()))
-  items = len(expected_items(sizes, moe.default_block_rows(384, len(order))))
+  items = len(expected_items(sizes, moe.default_block_rows(384, len(order), is_int4=fmt == "int4")))
   assert (np.asarray(gate_up_steps) > 0).sum() == items * 2  # I = 128: two output tiles
   assert (np.asarray(down_steps) > 0).sum() == items * 4  # H = 256: four output tiles
 
