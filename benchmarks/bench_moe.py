@@ -217,11 +217,14 @@ def expected_rows(x, g):
   return max(1, x.shape[0] * g.shape[0] // ALL_EXPERTS)
 
 
+def default_block_rows(x, g, w) -> int:
+  """The rows per work item ``moe_experts`` would pick for this call (``expected_rows``, the format)."""
+  return moe.default_block_rows(g.shape[0], expected_rows(x, g), is_int4=isinstance(w, moe.Int4Experts))
+
+
 def default_tiles(x, g, w):
   """The tiles ``moe_experts`` would pick for this call (from its expected rows and rows per item)."""
-  rows = expected_rows(x, g)
-  block_rows = moe.default_block_rows(g.shape[0], rows, is_int4=isinstance(w, moe.Int4Experts))
-  return moe.default_tiles(w, rows, block_rows)
+  return moe.default_tiles(w, expected_rows(x, g), default_block_rows(x, g, w))
 
 
 IMPLS = {

@@ -53,9 +53,7 @@ def prep_only(x_sorted, group_sizes, w):
   """The plain-jnp part of ``moe_experts`` with the kernels left out: the work list, and a take of
   A rows as the one back from the work layout does (here from x_sorted itself)."""
   a = x_sorted.shape[0]
-  rows = moe.default_block_rows(group_sizes.shape[0], bench_moe.expected_rows(x_sorted, group_sizes),
-                                is_int4=isinstance(w, moe.Int4Experts))
-  work = moe.work_list(group_sizes, a, rows)
+  work = moe.work_list(group_sizes, a, bench_moe.default_block_rows(x_sorted, group_sizes, w))
   y = jnp.take(x_sorted, jnp.clip(work.row_column, 0, a - 1), axis=0)
   return jnp.where(work.routed[:, None], y, 0)
 
