@@ -1,10 +1,10 @@
 """Where the CPU suite's time goes: every XLA compilation, by test (a pytest plugin and its report).
 
-    DDTREE_COMPILE_LOG=/tmp/complog JAX_LOG_COMPILES=1 ./dev test -q -p tests.compile_log
+    DDTREE_COMPILE_LOG=/tmp/complog ./dev test -q -p tests.compile_log
     python -m tests.compile_log /tmp/complog
 
-jax logs each compilation ("Finished XLA compilation of jit(f) in t sec") and each persistent-cache
-hit when ``JAX_LOG_COMPILES`` is set; the plugin writes those lines, tagged with the running test,
+The plugin turns on ``jax_log_compiles``, under which jax logs each compilation ("Finished XLA
+compilation of jit(f) in t sec") and each persistent-cache hit, and writes those lines, tagged with the running test,
 to one file per pytest process (xdist workers included) and the report sums them per function and
 per test file. Logging every compilation slows the run by about a tenth.
 """
@@ -15,6 +15,8 @@ import os
 import re
 import sys
 from pathlib import Path
+
+import jax
 
 _CURRENT_TEST = ["<collection>"]
 _COMPILED = re.compile(r"Finished XLA compilation of (\S+) in ([0-9.e+-]+) sec")
@@ -36,6 +38,7 @@ def pytest_configure(config):
   handler.setFormatter(logging.Formatter("%(test)s\t%(message)s"))
   handler.setLevel(logging.WARNING)
   logging.getLogger("jax").addHandler(handler)
+  jax.config.update("jax_log_compiles", True)
 
 
 def pytest_runtest_protocol(item, nextitem):
@@ -62,7 +65,8 @@ def report(directory: str, top: int = 25) -> str:
            "", "seconds  count  function"]
   lines += [f"{s:7.1f} {count[name]:6d}  {name}" for name, s in seconds.most_common(top)]
   lines += ["", "seconds  cache hits  test file"]
-  lines += [f"{s:7.1f} {hits[name]:11d}  {name}" for name, s in per_file.most_common()]
+  files = sorted(set(per_file) | set(hits), key=lambda name: (-per_file[name], name))
+  lines += [f"{per_file[name]:7.1f} {hits[name]:11d}  {name}" for name in files]
   return "\n".join(lines)
 
 
