@@ -118,6 +118,15 @@ def assert_close(got, want, num_routed):
   assert rel < REL_L2 and worst < MAX_FRACTION, f"relative L2 {rel:.2e}, max error {worst:.2e} of max|ref|"
 
 
+def bf16_ulps_apart(a, b) -> np.ndarray:
+  """How many bf16 values lie between ``a`` and ``b`` (elementwise, bf16 arrays; 0: equal bits,
+  1: neighbours, across zero too)."""
+  def ordered(x):
+    bits = np.asarray(x).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.int32)
+    return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+  return np.abs(ordered(a) - ordered(b))
+
+
 def poison_untouched(experts, touched):
   """The experts with every weight (bf16) or scale (INT4) of the experts not in ``touched`` NaN:
   a kernel that reads them makes its output NaN."""
@@ -661,10 +670,14 @@ def test_default_block_rows_grows_to_128_for_bf16_and_stops_at_64_for_int4():
 def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   """Experts of 58-121 rows at unaligned starts: 64-row windows read most of them twice, the
   default 128-row items (with ``BF16_WIDE_ITEM_TILES``' shorter down steps) once each, exactly one
-  gate/up tile load per (touched expert, output tile, k-step); and the rows are bit for bit those
-  of 64-row items with the same tiles (each row's products in the same order), and the
-  reference's. (Against ``BF16_TILES``' longer down steps only on the GPU, whose MMAs add k in
-  16-feature steps whatever the tile: interpret mode sums a step's product in one dot.)"""
+  gate/up tile load per (touched expert, output tile, k-step); and the rows are those of 64-row
+  items with the same tiles, and close to the reference's. Bit for bit only on the GPU
+  (``test_gpu_wide_bf16_items_at_kimi_widths_give_the_64_row_items_rows``), whose MMAs add each
+  row's products in one order whatever the rows beside it: interpret mode takes a step's product
+  as one XLA:CPU dot of 128 or 64 rows, and XLA:CPU's dots are not row-invariant on every host
+  (on an AMD EPYC with AVX512-BF16, 2026-12-02, 6 of the 78848 values were one bf16 step apart;
+  on the machines before, none). So here each value is at most one bf16 step from the 64-row
+  items' (a row read from the wrong place or with the wrong expert is far more)."""
   rng = np.random.default_rng(50)
   sizes = np.array([90, 0, 75, 121, 58, 3], np.int32)
   order = np.arange(int(sizes.sum()) + 5)  # 5 padding rows
@@ -684,7 +697,9 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   assert len(expected_items(sizes, 64)) > touched + 2  # what 64-row windows would have read
   narrow = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=64, tiles=moe.BF16_WIDE_ITEM_TILES,
                            interpret=INTERPRET)
-  np.testing.assert_array_equal(np.asarray(wide, np.float32), np.asarray(narrow, np.float32))
+  apart = bf16_ulps_apart(wide, narrow)
+  assert apart.max() <= 1, f"{int((apart > 1).sum())} values more than one bf16 step apart"
+  assert (apart == 0).mean() > 0.999  # not merely close: the same values but for the dot's rounding
   assert_close(wide, reference(x, sizes, experts), int(sizes.sum()))
 
 
