@@ -678,7 +678,9 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   as one XLA:CPU dot of 128 or 64 rows, and XLA:CPU's dots are not row-invariant on every host
   (on an AMD EPYC with AVX512-BF16, 2026-12-02, 6 of the 78848 values were one bf16 step apart;
   on the machines before, none). So here each value is at most one bf16 step from the 64-row
-  items' (a row read from the wrong place or with the wrong expert is far more)."""
+  items' (a row read from the wrong place or with the wrong expert is far more). Against
+  ``BF16_TILES``' longer down steps only on the GPU, whose MMAs add k in 16-feature steps whatever
+  the tile: interpret mode sums a step's product in one dot."""
   rng = np.random.default_rng(50)
   sizes = np.array([90, 0, 75, 121, 58, 3], np.int32)
   order = np.arange(int(sizes.sum()) + 5)  # 5 padding rows
