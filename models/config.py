@@ -89,6 +89,12 @@ class KimiConfig:
   rope_mscale_all_dim: float = 1.0
   max_position_embeddings: int = 262144
   rms_norm_eps: float = 1e-5
+  # eps of the two latent norms (q_a_layernorm, kv_a_layernorm). DeepSeek-V3's published modeling
+  # code (the HF remote code that Kimi checkpoints ship, and deepseek-ai's inference/model.py)
+  # builds them with RMSNorm's default 1e-6, not rms_norm_eps; K2.6's rms_norm_eps is 1e-5, so
+  # there the two differ. Not an HF config key: from_hf reads it only from this project's own
+  # config.json files (to_hf writes it), else 1e-6.
+  latent_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   # Initialisation of fresh (untrained) models: normal(initializer_range) weights and a
   # normal(router_bias_init_std) e_score_correction_bias (0 for checkpoints, which carry it).
@@ -182,7 +188,7 @@ class KimiConfig:
     if self.qk_rope_head_dim % 2:
       raise ConfigError(
           f"KimiConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-    for name in ("rope_theta", "rope_factor", "rms_norm_eps", "routed_scaling_factor"):
+    for name in ("rope_theta", "rope_factor", "rms_norm_eps", "latent_norm_eps", "routed_scaling_factor"):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ConfigError(f"KimiConfig.{name} must be > 0, got {value!r}")
@@ -278,7 +284,7 @@ class KimiConfig:
         kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_theta=50000.0,
         rope_factor=4.0, rope_original_max_position_embeddings=512, rope_beta_fast=32.0,
         rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, initializer_range=0.02, bos_token_id=0, eos_token_id=0,
+        rms_norm_eps=1e-5, latent_norm_eps=1e-5, initializer_range=0.02, bos_token_id=0, eos_token_id=0,
         dtype="bfloat16", param_dtype="float32")
     fields.update(overrides)
     return cls(**fields)
@@ -311,6 +317,7 @@ class KimiConfig:
         "rope_theta": "rope_theta",
         "max_position_embeddings": "max_position_embeddings",
         "rms_norm_eps": "rms_norm_eps",
+        "latent_norm_eps": "latent_norm_eps",
         "tie_word_embeddings": "tie_word_embeddings",
         "initializer_range": "initializer_range",
         "bos_token_id": "bos_token_id",
@@ -336,21 +343,20 @@ class KimiConfig:
     topk_method = config.get("topk_method", "noaux_tc")
     if topk_method != "noaux_tc":
       raise ConfigError(f"config.json topk_method={topk_method!r}: only 'noaux_tc' is supported")
-    rope_scaling = config.get("rope_scaling")
+    rope_scaling = _rope_scaling(config)
+    inner_theta = (config.get("rope_parameters") or {}).get("rope_theta")  # where transformers v5 keeps it
+    if inner_theta is not None:
+      if "rope_theta" in fields and fields["rope_theta"] != inner_theta:
+        raise ConfigError(f"config.json rope_theta={fields['rope_theta']!r} and "
+                          f"rope_parameters.rope_theta={inner_theta!r} disagree")
+      fields["rope_theta"] = inner_theta
     if rope_scaling:
-      if not isinstance(rope_scaling, Mapping):
-        raise ConfigError(f"config.json rope_scaling must be a dict, got {rope_scaling!r}")
-      kind = rope_scaling.get("type", rope_scaling.get("rope_type"))
-      if kind != "yarn":
-        raise ConfigError(f"config.json rope_scaling type {kind!r}: only 'yarn' is supported")
-      missing = [k for k in ("factor", "original_max_position_embeddings") if rope_scaling.get(k) is None]
-      if missing:
-        raise ConfigError(f"config.json rope_scaling lacks {', '.join(missing)}")
+      source = rope_scaling.pop("_source")
 
       def number(key, kind, default=None):
         value = rope_scaling.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-          raise ConfigError(f"config.json rope_scaling.{key} must be a{'n int' if kind is int else ' number'}, "
+          raise ConfigError(f"config.json {source}.{key} must be a{'n int' if kind is int else ' number'}, "
                             f"got {value!r}")
         return kind(value)
       fields.update(
@@ -395,6 +401,39 @@ class KimiConfig:
     if self.experts_int4:
       out["quantization_config"] = copy.deepcopy(int4.COMPRESSED_TENSORS_CONFIG)
     return out
+
+
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _rope_scaling(config: Mapping[str, Any]) -> dict | None:
+  """The YaRN fields of an HF config (with ``_source``, the key they came from), or None for
+  plain RoPE. transformers before v5 writes them as ``rope_scaling`` ({"type" or "rope_type":
+  "yarn", ...}); v5 as ``rope_parameters`` (the same fields, ``rope_type`` "yarn" or "default",
+  and ``rope_theta``). Both present must agree: silently preferring one could turn YaRN off."""
+  found = {}
+  for source in ("rope_scaling", "rope_parameters"):
+    value = config.get(source)
+    if value is None:
+      continue
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"config.json {source} must be a dict, got {value!r}")
+    kind = value.get("type", value.get("rope_type"))
+    if kind == "default" or (not value and source == "rope_scaling"):
+      found[source] = None
+      continue
+    if kind != "yarn":
+      raise ConfigError(f"config.json {source} type {kind!r}: only 'yarn' (or 'default', no scaling) is supported")
+    missing = [k for k in ("factor", "original_max_position_embeddings") if value.get(k) is None]
+    if missing:
+      raise ConfigError(f"config.json {source} lacks {', '.join(missing)}")
+    found[source] = dict(value, _source=source)
+  if len(found) == 2:
+    a, b = found["rope_scaling"], found["rope_parameters"]
+    pick = lambda d: None if d is None else {k: d.get(k) for k in _YARN_KEYS}
+    if pick(a) != pick(b):
+      raise ConfigError(f"config.json rope_scaling {pick(a)} and rope_parameters {pick(b)} disagree")
+  return found.get("rope_scaling", found.get("rope_parameters"))
 
 
 def text_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -120,10 +120,10 @@ class MLAttention(nnx.Module):
     self.cfg = cfg
     n = cfg.num_attention_heads
     self.q_a_proj = _linear(cfg, cfg.hidden_size, cfg.q_lora_rank, rngs)
-    self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, cfg.param_dtype)
+    self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, cfg.param_dtype)
     self.q_b_proj = _linear(cfg, cfg.q_lora_rank, n * cfg.qk_head_dim, rngs)
     self.kv_a_proj_with_mqa = _linear(cfg, cfg.hidden_size, cfg.latent_dim, rngs)
-    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, cfg.param_dtype)
+    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps, cfg.param_dtype)
     self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs)
     self.o_proj = _linear(cfg, n * cfg.v_head_dim, cfg.hidden_size, rngs)
 

@@ -191,7 +191,7 @@ def mla_attention(get: Callable[[str], np.ndarray], p: str, cfg: KimiConfig, x: 
   s = x.shape[0]
   nh = cfg.num_attention_heads
   nope, rope, vdim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-  eps = cfg.rms_norm_eps
+  eps = cfg.latent_norm_eps  # not rms_norm_eps: DeepSeek-V3's modeling code builds these two at 1e-6
 
   q = _linear(rms_norm(_linear(x, get(p + "q_a_proj.weight")), get(p + "q_a_layernorm.weight"), eps),
               get(p + "q_b_proj.weight"))

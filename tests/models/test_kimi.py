@@ -101,6 +101,21 @@ def test_prefill_matches_independent_float64_reference(model, state_dict):
   np.testing.assert_array_equal(np.asarray(out.expert_load), numpy_kimi.expert_load(state_dict, CFG, tokens))
 
 
+def test_latent_norms_take_their_own_eps():
+  """q_a_layernorm and kv_a_layernorm use ``latent_norm_eps`` (1e-6 in DeepSeek-V3's modeling code
+  whatever rms_norm_eps says), the other norms rms_norm_eps. An eps as large as the latents' mean
+  square makes a mix-up show far above the tolerance."""
+  cfg = CFG.replace(latent_norm_eps=0.25)
+  model = kimi.init_model(cfg, seed=0)
+  state = hf_io.to_hf_state_dict(model)
+  tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, 20)
+  ref = numpy_kimi.forward(state, cfg, tokens)
+  mixed_up = numpy_kimi.forward(state, cfg.replace(latent_norm_eps=cfg.rms_norm_eps), tokens)
+  assert np.abs(ref - mixed_up).max() > 50 * ATOL
+  logits, _, _ = prefill_all(model, [tokens], [0], new_cache(1), chunk_size=32)
+  np.testing.assert_allclose(logits[0, :20], ref, atol=ATOL, rtol=0)
+
+
 def test_prefill_equals_token_by_token_decoding_and_any_chunk_size(model):
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, CFG.vocab_size, 37)
@@ -332,9 +347,38 @@ def test_config_from_hf_plain_and_multimodal():
     KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
 
 
+def test_config_from_hf_latent_eps_and_transformers_v5_rope_parameters():
+  """A DeepSeek/Kimi checkpoint's config.json has no latent_norm_eps: its latent norms run at the
+  modeling code's 1e-6 beside rms_norm_eps 1e-5. transformers v5 writes YaRN as rope_parameters
+  (theta inside); it must read as the rope_scaling form does, never as plain RoPE."""
+  real = KimiConfig.k2_6()
+  hf = {k: v for k, v in real.to_hf().items() if k != "latent_norm_eps"}
+  read = KimiConfig.from_hf(hf, dtype=real.dtype, param_dtype=real.param_dtype)
+  assert (read.latent_norm_eps, read.rms_norm_eps) == (1e-6, 1e-5) and read == real
+  assert KimiConfig.from_hf(KimiConfig.demo().to_hf()).latent_norm_eps == 1e-5  # ours round-trip
+  v5 = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+  v5["rope_parameters"] = dict(hf["rope_scaling"], rope_type="yarn", rope_theta=hf["rope_theta"])
+  del v5["rope_parameters"]["type"]
+  assert KimiConfig.from_hf(v5, dtype=real.dtype, param_dtype=real.param_dtype) == real
+  assert real.rope_factor == 64 and real.softmax_scale != KimiConfig.k2_6(rope_factor=1.0).softmax_scale
+  plain = KimiConfig.from_hf({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+  assert (plain.rope_factor, plain.rope_theta) == (1.0, 10000.0)
+  with pytest.raises(ConfigError, match="rope_scaling .* and rope_parameters .* disagree"):
+    KimiConfig.from_hf({**hf, "rope_parameters": dict(v5["rope_parameters"], factor=32.0)})
+  with pytest.raises(ConfigError, match="rope_scaling .* and rope_parameters .* disagree"):
+    KimiConfig.from_hf({**hf, "rope_parameters": {"rope_type": "default"}})
+  with pytest.raises(ConfigError, match="rope_theta=50000.0 and rope_parameters.rope_theta=10000.0 disagree"):
+    KimiConfig.from_hf({**hf, "rope_parameters": dict(v5["rope_parameters"], rope_theta=10000.0)})
+  assert KimiConfig.from_hf({**hf, "rope_parameters": v5["rope_parameters"]}, dtype=real.dtype,
+                            param_dtype=real.param_dtype) == real  # both, agreeing
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": "yarn"}, "rope_scaling must be a dict, got 'yarn'"),
     ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}}, "rope_scaling lacks factor"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters type 'linear'"),
+    ({"rope_parameters": "yarn"}, "rope_parameters must be a dict"),
+    ({"latent_norm_eps": 0}, "latent_norm_eps must be > 0"),
     ({"rope_scaling": {"type": "yarn", "factor": "x", "original_max_position_embeddings": 4096}},
      "rope_scaling.factor must be a number, got 'x'"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096.5}},
