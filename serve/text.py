@@ -142,12 +142,15 @@ class TextCodec:
     """The prompt of a chat: every message in the template, then the assistant's turn opened."""
     if not messages:
       raise TextError("messages: empty (at least one message is needed)")
-    if self._template is not None:
-      return self._checkpoint_chat_prompt(messages)
-    ids: list[int] = []
+    # Checked for a checkpoint's template too: it renders the role as text and parses the result
+    # for special tokens, so a free role could spell turn markers that its content may not.
     for i, message in enumerate(messages):
       if message.role not in CHAT_ROLES:
         raise TextError(f"messages[{i}].role: {message.role!r} is not one of {list(CHAT_ROLES)}")
+    if self._template is not None:
+      return self._checkpoint_chat_prompt(messages)
+    ids: list[int] = []
+    for message in messages:
       ids += [self._marker[f"<|im_{message.role}|>"], *self.encode(message.role), self._marker["<|im_middle|>"],
               *self.encode(message.content), self._marker["<|im_end|>"]]
     ids += [self._marker["<|im_assistant|>"], *self.encode("assistant"), self._marker["<|im_middle|>"]]
