@@ -201,21 +201,36 @@ def seeded_autoregressive(model, prompts, max_new, sampling):
 
 
 def test_seeded_sampling_is_batch_and_budget_invariant(model, prompts, reference):
-  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (0, 8), 3)
+  """At T > 0 a seeded request's tokens equal seeded sampling of the target alone, whatever the
+  batch and the budget, also where the sampled rows accept deep paths and siblings: the drafter
+  knows the seeded continuation (with noise), not the greedy one, which a sampled stream leaves at
+  its first token (so that drafts were then hardly ever accepted and the T > 0 walk went untested)."""
   kwargs = dict(temperature=[0.8, 1.0, 0.0], top_p=[0.95, 1.0, 1.0], top_k=[0, 20, 0], seed=[11, 12, 13],
                 stop_token_ids=[])
   new = 24  # several steps of budget 8, half of MAX_NEW (the reference below decodes token by token)
-  batched = dec.generate(prompts, new, budget=8, **kwargs)
+  sampling = verify_lib.SamplingParams.make(3, **{k: v for k, v in kwargs.items() if k != "stop_token_ids"})
+  seeded = seeded_autoregressive(model, prompts, new, sampling)
+  assert seeded[0] != reference[0][0][:new]  # sampling actually changed the output
+  drafter = drafters.OracleDrafter.make(drafters.greedy_continuations(prompts, seeded), vocab_size=CFG.vocab_size,
+                                        max_len=MAX_LEN, noise=0.35)
+  dec = decoder(model, drafter, "ddtree", (0, 8), 3)
   # The engine's first token and tree positions key every draw as plain seeded decoding does
   # (a key shared by two positions would still give budget 8 = budget 0 below).
-  sampling = verify_lib.SamplingParams.make(3, **{k: v for k, v in kwargs.items() if k != "stop_token_ids"})
-  assert batched.tokens == seeded_autoregressive(model, prompts, new, sampling)
+  batched = dec.generate(prompts, new, budget=8, **kwargs)
+  assert batched.tokens == seeded
   autoregressive = dec.generate(prompts, new, budget=0, **kwargs)
-  alone = dec.generate([prompts[0]], new, budget=8, temperature=0.8, top_p=0.95, seed=11, stop_token_ids=[])
-  assert alone.tokens[0] == batched.tokens[0]
+  siblings = 0
+  for row in (0, 1):  # each sampled request alone: its own tokens, accepting drafts (StepStats: per request)
+    alone = dec.generate([prompts[row]], new, budget=8, stop_token_ids=[],
+                         **{k: kwargs[k][row] for k in ("temperature", "top_p", "top_k", "seed")})
+    assert alone.tokens[0] == seeded[row]
+    accepted = [a for s in alone.steps for a in s.accepted]
+    assert np.mean(accepted) >= 2.0 and max(accepted) >= 4, (row, accepted)
+    siblings += sum(sum(s.sibling_accepts) for s in alone.steps)
+    print(f"sampled request {row}: accepted lengths {accepted}")
+  assert siblings >= 1, siblings
   # Keys depend on (seed, position) only, so speculative sampling reproduces autoregressive sampling.
   assert batched.tokens == autoregressive.tokens
-  assert batched.tokens[0] != reference[0][0][:new]  # sampling actually changed the output
 
 
 @pytest.mark.parametrize("kwargs, message", [
