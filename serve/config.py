@@ -137,6 +137,9 @@ def build_engine(config: ServeConfig) -> Engine:
     raise ValueError(f"--max-context {config.max_context} exceeds the model's max_position_embeddings "
                      f"{target.cfg.max_position_embeddings}")
   codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
+  if codec.vocab_size > target.cfg.vocab_size:
+    raise ValueError(f"{model_dir}: the tokenizer has {codec.vocab_size} ids, the model's vocabulary "
+                     f"{target.cfg.vocab_size}: they do not belong together")
   default_stops = len(set(codec.stop_ids) | set(codec.chat_stop_ids))
   if default_stops > config.max_stop_ids:
     raise ValueError(f"the model's own stop ids ({default_stops}: {sorted(set(codec.stop_ids) | set(codec.chat_stop_ids))}) "

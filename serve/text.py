@@ -9,7 +9,6 @@ spellings *are* meant as ids; only the template's own text is parsed for them, n
 """
 
 import dataclasses
-import json
 import secrets
 from pathlib import Path
 from typing import Sequence
@@ -17,9 +16,9 @@ from typing import Sequence
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import loading
 from models.config import eos_token_ids
+from serve import tokenizer_files
 
 # The built-in template (the demo pair's; Kimi's turn format without thinking or tool blocks):
 #   [BOS when the tokenizer adds one]
@@ -42,7 +41,8 @@ class TextCodec:
   """A model directory's tokenizer and chat template.
 
   Args:
-    tokenizer: a ``tokenizers.Tokenizer``.
+    tokenizer: a ``tokenizers.Tokenizer``, or a tokenizer of ``serve.tokenizer_files`` (what
+      ``from_model_dir`` reads: ``tokenizer.json`` or Kimi's ``tiktoken.model``).
     chat_template: a Jinja template string, or None for the built-in Kimi-style template (which
       needs the ``<|im_*|>`` special tokens in the vocabulary).
     eos_token_id: the model's end-of-sequence id (a default stop id).
@@ -51,19 +51,16 @@ class TextCodec:
     bos_token_id: prepended to completion prompts when the model expects it (None: nothing).
   """
 
-  def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None, eos_token_id: int,
+  def __init__(self, tokenizer, *, chat_template: str | None, eos_token_id: int,
                bos_token_id: int | None = None, special_tokens: dict | None = None, extra_stop_ids=()):
-    self.tokenizer = tokenizer
+    self.backend = tokenizer_files.HFTokenizer(tokenizer) if isinstance(tokenizer, Tokenizer) else tokenizer
     self.eos_token_id = eos_token_id
     # Every id that ends a request by default (the model's EOS first).
     self.stop_ids = tuple(dict.fromkeys([eos_token_id, *(int(i) for i in extra_stop_ids)]))
     self.bos_token_id = bos_token_id
-    self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    self.vocab_size = self.backend.vocab_size
     self._template = None
-    self._parsing = None  # the same tokenizer, parsing special-token spellings (for template output)
     if chat_template is not None:
-      self._parsing = Tokenizer.from_str(tokenizer.to_str())
-      self._parsing.encode_special_tokens = False
       # As Hugging Face renders chat templates (loop controls: {% break %}, {% continue %}).
       env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                          extensions=["jinja2.ext.loopcontrols"])
@@ -72,56 +69,53 @@ class TextCodec:
     self._special_tokens = dict(special_tokens or {})
     # Spellings the template parser turns into special ids and the literal encoder does not: never
     # from a message's content. (Non-special added tokens are matched by both alike.)
-    self._special_spellings = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values()
-                                    if t.special and t.content)
-    self._marker = {name: tokenizer.token_to_id(name) for name in
+    self._special_spellings = self.backend.special_spellings
+    self._marker = {name: self.backend.token_to_id(name) for name in
                     ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
     self.chat_stop_ids = tuple(i for i in (self._marker["<|im_end|>"],) if i is not None)
 
   @classmethod
   def from_model_dir(cls, directory, *, eos_token_id: int) -> "TextCodec":
-    """Reads ``tokenizer.json`` and, when present, ``tokenizer_config.json``'s chat template."""
+    """Reads the tokenizer (``tokenizer.json``, else Kimi's ``tiktoken.model``) and the chat template
+    (``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``), if any."""
     directory = Path(directory)
-    path = directory / "tokenizer.json"
-    if not path.exists():
-      raise FileNotFoundError(f"{directory} has no tokenizer.json (the server needs one to read text)")
-    tok = tokenizer_lib.load_tokenizer(path)
-    template, bos, special = None, None, {}
-    config_path = directory / "tokenizer_config.json"
-    if config_path.exists():
-      config = json.loads(config_path.read_text())
-      template = config.get("chat_template")
-      if isinstance(template, list):  # HF allows named templates; the default one serves chat
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-      # Hugging Face writes these as strings or as AddedToken dicts ({"content": "<s>", ...}).
-      special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
-                 if k in ("bos_token", "eos_token")}
-      special = {k: v for k, v in special.items() if isinstance(v, str)}
-      if config.get("add_bos_token") and special.get("bos_token"):
-        bos = tok.token_to_id(special["bos_token"])
+    tok = tokenizer_files.load(directory)
+    config = tokenizer_files.read_tokenizer_config(directory)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF allows named templates; the default one serves chat
+      template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (directory / "chat_template.jinja").exists():  # where transformers >= 4.43 saves it
+      template = (directory / "chat_template.jinja").read_text()
+    # Hugging Face writes these as strings or as AddedToken dicts ({"content": "<s>", ...}).
+    special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+               if k in ("bos_token", "eos_token")}
+    special = {k: v for k, v in special.items() if isinstance(v, str)}
+    bos = tok.token_to_id(special["bos_token"]) if config.get("add_bos_token") and special.get("bos_token") else None
     # KimiConfig keeps the first of a list of EOS ids; the others, and the tokenizer's own EOS
     # token, end a request too (a turn format whose end marker is not EOS would run on past it).
     extra = []
     if (directory / "config.json").exists():
-      vocab = tok.get_vocab_size(with_added_tokens=True)
-      extra += [i for i in eos_token_ids(loading.read_json(directory / "config.json")) if 0 <= i < vocab]
+      extra += [i for i in eos_token_ids(loading.read_json(directory / "config.json")) if 0 <= i < tok.vocab_size]
     if special.get("eos_token") and tok.token_to_id(special["eos_token"]) is not None:
       extra.append(tok.token_to_id(special["eos_token"]))
     codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special,
                 extra_stop_ids=extra)
     if template is None and any(i is None for i in codec._marker.values()):
-      raise TextError(f"{directory}: no chat template in tokenizer_config.json and no <|im_*|> tokens for the "
-                      "built-in one")
+      raise TextError(f"{directory}: no chat template (chat_template.jinja or tokenizer_config.json) and no "
+                      "<|im_*|> tokens for the built-in one")
     return codec
 
   @property
   def template_name(self) -> str:
-    return "checkpoint (tokenizer_config.json)" if self._template is not None else "built-in Kimi-style"
+    return "checkpoint's" if self._template is not None else "built-in Kimi-style"
 
   # ---- prompts -----------------------------------------------------------------------------
   def encode(self, text: str) -> list[int]:
     """Token ids of ``text`` read literally (no special token parsed)."""
-    return tokenizer_lib.encode(self.tokenizer, text)
+    return self.backend.encode(text)
+
+  def token_to_id(self, name: str) -> int | None:
+    return self.backend.token_to_id(name)
 
   def completion_prompt(self, prompt) -> list[int]:
     """A completion's prompt (a string, or token ids) as token ids."""
@@ -168,7 +162,7 @@ class TextCodec:
         add_generation_prompt=True, **self._special_tokens)
     contents = [m.content for m in messages]
     if not any(word in c for c in contents for word in self._special_spellings):
-      return tokenizer_lib.encode(self._parsing, render(contents))
+      return self.backend.encode_parsing_special(render(contents))
     refused = TextError("messages: a message holds a special token's text, and the chat template does not insert "
                         "each message's content once and verbatim, so it cannot be kept literal")
     marks = [f"\x00{secrets.token_hex(8)}\x00" for _ in contents]
@@ -178,20 +172,21 @@ class TextCodec:
       before, found, text = text.partition(mark)
       if not found or mark in text:
         raise refused
-      ids += tokenizer_lib.encode(self._parsing, before) + self.encode(content)
+      ids += self.backend.encode_parsing_special(before) + self.encode(content)
       pieces.append(before)
-    ids += tokenizer_lib.encode(self._parsing, text)
+    ids += self.backend.encode_parsing_special(text)
     if "".join(p + c for p, c in zip(pieces, contents)) + text != render(contents):
       raise refused
     return ids
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+    """The text of ``ids``, special tokens left out."""
+    return self.backend.decode(ids)
 
   def decode_long(self, ids: Sequence[int]) -> str:
-    """``decode`` for a whole prompt: through ``decode_batch``, which releases the GIL (``decode``
-    holds it, ~75 ms for a megabyte's ids); a stream's small windows keep ``decode``."""
-    return self.tokenizer.decode_batch([[int(i) for i in ids]], skip_special_tokens=True)[0]
+    """``decode`` for a whole prompt, releasing the GIL while it runs (tokenizers' ``decode`` holds
+    it, ~75 ms for a megabyte's ids); a stream's small windows keep ``decode``."""
+    return self.backend.decode_long(ids)
 
 
 def _raise_template_error(message):

@@ -1,0 +1,203 @@
+"""A checkpoint's tokenizer, from either file format a Kimi-architecture checkpoint ships.
+
+- ``tokenizer.json`` (Hugging Face ``tokenizers``): the demo pair and most converted checkpoints.
+- ``tiktoken.model`` (Kimi K2 / K2.5 / K2.6 as released): BPE ranks read by ``tiktoken``, Kimi's
+  pre-tokeniser pattern, and 256 reserved special ids after the ranks, named by
+  ``tokenizer_config.json``'s ``added_tokens_decoder`` (``<|reserved_token_{id}|>`` otherwise), as
+  the checkpoint's own ``tokenization_kimi.py`` builds them.
+
+Both give ``TextCodec`` the same small interface: literal encoding (special-token spellings stay
+text), parsing encoding (for a chat template's rendering), decoding without special tokens, and
+ids by name. Encoding and decoding release the GIL in both libraries.
+"""
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+from ddtree_jax.train import tokenizer as tokenizer_lib
+
+# Kimi's pre-tokeniser (tokenization_kimi.py's pat_str, K2 through K2.6): Han runs, cased words
+# outside Han with English contractions, numbers of at most 3 digits, punctuation runs, newlines
+# and other whitespace. ``&&`` intersects character classes (tiktoken's regex engine supports it).
+KIMI_PATTERN_PIECES = (
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+)
+KIMI_PATTERN = "|".join(KIMI_PATTERN_PIECES)
+NUM_RESERVED_SPECIAL_TOKENS = 256
+# tiktoken's regex matching recurses per character of one pre-token and its BPE is quadratic in
+# it (openai/tiktoken#195), so, as tokenization_kimi.py does, text goes in pieces of at most
+# 400,000 characters, each cut where a run of whitespace or of other characters passes 25,000.
+_MAX_CHUNK_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+
+
+class TokenizerFileError(ValueError):
+  """A checkpoint's tokenizer files are missing or inconsistent; the message names the file."""
+
+
+class HFTokenizer:
+  """``tokenizer.json`` through Hugging Face ``tokenizers``."""
+
+  def __init__(self, tokenizer: Tokenizer):
+    # Copies: the encode_special_tokens switch is the tokenizer's state, which tokenizer.json does
+    # not keep, so the caller's object is left as it was.
+    self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+    self.tokenizer.encode_special_tokens = True  # literal: special spellings stay text
+    self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    self.special_spellings = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                   if t.special and t.content)
+
+  def encode(self, text: str) -> list[int]:
+    return tokenizer_lib.encode(self.tokenizer, text)
+
+  @functools.cached_property
+  def _parsing(self) -> Tokenizer:
+    parsing = Tokenizer.from_str(self.tokenizer.to_str())
+    parsing.encode_special_tokens = False
+    return parsing
+
+  def encode_parsing_special(self, text: str) -> list[int]:
+    return tokenizer_lib.encode(self._parsing, text)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def decode_long(self, ids: Sequence[int]) -> str:
+    # decode_batch releases the GIL (decode holds it, ~75 ms for a megabyte's ids).
+    return self.tokenizer.decode_batch([[int(i) for i in ids]], skip_special_tokens=True)[0]
+
+  def token_to_id(self, name: str) -> int | None:
+    return self.tokenizer.token_to_id(name)
+
+
+class KimiTiktokenTokenizer:
+  """``tiktoken.model`` with Kimi's pattern and reserved special ids (see the module docstring).
+
+  Args:
+    ranks_path: the ``tiktoken.model`` file (one ``base64(token bytes) rank`` line per token).
+    special_names: {id: name} of special ids to name (``added_tokens_decoder``); every other id of
+      the reserved block is ``<|reserved_token_{id}|>``.
+  """
+
+  def __init__(self, ranks_path, special_names: dict[int, str] | None = None):
+    import tiktoken  # pylint: disable=import-outside-toplevel
+    from tiktoken.load import load_tiktoken_bpe  # pylint: disable=import-outside-toplevel
+    try:
+      ranks = load_tiktoken_bpe(os.fspath(ranks_path))
+    except Exception as err:  # a malformed line: binascii.Error, ValueError, IndexError
+      raise TokenizerFileError(f"{ranks_path}: not a tiktoken BPE file ({type(err).__name__}: {err})") from None
+    num_base = len(ranks)
+    if sorted(ranks.values()) != list(range(num_base)):
+      raise TokenizerFileError(f"{ranks_path}: ranks must be 0..{num_base - 1}, each once")
+    special_names = dict(special_names or {})
+    outside = sorted(i for i in special_names if not num_base <= i < num_base + NUM_RESERVED_SPECIAL_TOKENS)
+    if outside:
+      raise TokenizerFileError(
+          f"tokenizer_config.json names special id {outside[0]} outside the reserved block "
+          f"[{num_base}, {num_base + NUM_RESERVED_SPECIAL_TOKENS}) after {ranks_path}'s {num_base} ranks")
+    self.special_ids = {special_names.get(i, f"<|reserved_token_{i}|>"): i
+                        for i in range(num_base, num_base + NUM_RESERVED_SPECIAL_TOKENS)}
+    if len(self.special_ids) != NUM_RESERVED_SPECIAL_TOKENS:
+      raise TokenizerFileError("tokenizer_config.json gives two special ids the same name")
+    self._num_base = num_base
+    self._ranks = ranks
+    self.encoding = tiktoken.Encoding(name=Path(ranks_path).name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens=self.special_ids)
+    self.vocab_size = self.encoding.n_vocab
+    self.special_spellings = tuple(self.special_ids)
+
+  def encode(self, text: str) -> list[int]:
+    return [i for piece in _pieces(text) for i in self.encoding.encode(piece, disallowed_special=())]
+
+  def encode_parsing_special(self, text: str) -> list[int]:
+    return [i for piece in _pieces(text) for i in self.encoding.encode(piece, allowed_special="all")]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    # tiktoken decodes bytes with errors="replace": an incomplete UTF-8 tail shows as U+FFFD, which
+    # the stream holds back until its last byte arrives, as with tokenizers.
+    return self.encoding.decode([int(i) for i in ids if not self._num_base <= int(i) < self.vocab_size])
+
+  decode_long = decode  # tiktoken's decode already releases the GIL
+
+  def token_to_id(self, name: str) -> int | None:
+    if name in self.special_ids:
+      return self.special_ids[name]
+    return self._ranks.get(name.encode("utf-8"))
+
+
+def _pieces(text: str):
+  """``text`` cut as tokenization_kimi.py cuts it before tiktoken (see ``_MAX_CHUNK_CHARS``)."""
+  for start in range(0, len(text), _MAX_CHUNK_CHARS):
+    chunk = text[start:start + _MAX_CHUNK_CHARS]
+    run, run_is_space, piece_start = 0, chunk[:1].isspace(), 0
+    for i, char in enumerate(chunk):
+      if char.isspace() != run_is_space:
+        run, run_is_space = 1, char.isspace()
+      else:
+        run += 1
+        if run > _MAX_RUN_CHARS:
+          yield chunk[piece_start:i]
+          piece_start, run = i, 1
+    yield chunk[piece_start:]
+
+
+def load(directory) -> HFTokenizer | KimiTiktokenTokenizer:
+  """The tokenizer of a checkpoint directory: ``tokenizer.json`` where it has one, else
+  ``tiktoken.model`` (special names from ``tokenizer_config.json``)."""
+  directory = Path(directory)
+  if (directory / "tokenizer.json").exists():
+    return HFTokenizer(Tokenizer.from_file(os.fspath(directory / "tokenizer.json")))
+  if not (directory / "tiktoken.model").exists():
+    raise FileNotFoundError(f"{directory} has neither tokenizer.json nor tiktoken.model (the server needs one "
+                            "to read text)")
+  _check_kimi_pattern(directory)
+  config = read_tokenizer_config(directory)
+  decoder = config.get("added_tokens_decoder") or {}
+  if not isinstance(decoder, dict):
+    raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: added_tokens_decoder must be a dict")
+  names = {}
+  for key, token in decoder.items():
+    content = token.get("content") if isinstance(token, dict) else token
+    if not (isinstance(key, str) and key.isdigit() and isinstance(content, str)):
+      raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: added_tokens_decoder entry {key!r}: "
+                               "expected an id and a {'content': name} dict")
+    names[int(key)] = content
+  return KimiTiktokenTokenizer(directory / "tiktoken.model", names)
+
+
+def read_tokenizer_config(directory) -> dict:
+  path = Path(directory) / "tokenizer_config.json"
+  if not path.exists():
+    return {}
+  try:
+    config = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise TokenizerFileError(f"{path}: not valid JSON ({err})") from None
+  if not isinstance(config, dict):
+    raise TokenizerFileError(f"{path}: expected a JSON object")
+  return config
+
+
+def _check_kimi_pattern(directory: Path) -> None:
+  """A ``tokenization_kimi.py`` beside ``tiktoken.model`` must spell the pattern this module uses
+  (its code is not run here); a checkpoint without one is taken to use Kimi's."""
+  source = directory / "tokenization_kimi.py"
+  if source.exists():
+    text = source.read_text(errors="replace")
+    missing = [piece for piece in KIMI_PATTERN_PIECES if piece not in text]
+    if missing:
+      raise TokenizerFileError(
+          f"{source}: its pre-tokeniser pattern differs from Kimi's that this server uses (no {missing[0]!r}); "
+          "convert the tokenizer to tokenizer.json instead")
