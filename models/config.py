@@ -343,7 +343,7 @@ class KimiConfig:
     topk_method = config.get("topk_method", "noaux_tc")
     if topk_method != "noaux_tc":
       raise ConfigError(f"config.json topk_method={topk_method!r}: only 'noaux_tc' is supported")
-    rope_scaling = _rope_scaling(config)
+    rope_scaling = rope_scaling_fields(config)
     inner_theta = (config.get("rope_parameters") or {}).get("rope_theta")  # where transformers v5 keeps it
     if inner_theta is not None:
       if "rope_theta" in fields and fields["rope_theta"] != inner_theta:
@@ -406,7 +406,7 @@ class KimiConfig:
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _rope_scaling(config: Mapping[str, Any]) -> dict | None:
+def rope_scaling_fields(config: Mapping[str, Any]) -> dict | None:
   """The YaRN fields of an HF config (with ``_source``, the key they came from), or None for
   plain RoPE. transformers before v5 writes them as ``rope_scaling`` ({"type" or "rope_type":
   "yarn", ...}); v5 as ``rope_parameters`` (the same fields, ``rope_type`` "yarn" or "default",

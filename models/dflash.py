@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from models.cache import SlotPooled
-from models.config import ConfigError, KimiConfig
-from models.kimi import RMSNorm
+from models.config import ConfigError, KimiConfig, rope_scaling_fields, yarn_mscale
+from models.kimi import RMSNorm, yarn_inv_freq_of
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # DESIGN §1.1: loss weight exp(-(k - 1) / gamma) per block size.
@@ -84,6 +84,14 @@ class DFlashConfig:
   intermediate_size: int = 12288
   rms_norm_eps: float = 1e-6
   rope_theta: float = 1e6
+  # YaRN (rope_scaling "yarn", as the published Kimi K2.5/K2.6 drafters use): factor 1 is plain
+  # RoPE. The pairs' frequencies follow the target's YaRN formula on the drafter's head_dim; cos
+  # and sin are multiplied by rope_attention_factor (the softmax scale stays head_dim**-0.5).
+  rope_factor: float = 1.0
+  rope_original_max_position_embeddings: int = 4096
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float = 1.0
   block_size: int = 16
   target_layer_ids: tuple[int, ...] | None = None
   mask_token_id: int = 0
@@ -147,7 +155,8 @@ class DFlashConfig:
     if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
       raise ConfigError(f"DFlashConfig.mask_token_id={self.mask_token_id!r} outside the vocabulary "
                         f"[0, {self.vocab_size})")
-    for name in ("rms_norm_eps", "rope_theta"):
+    for name in ("rms_norm_eps", "rope_theta", "rope_factor", "rope_beta_fast", "rope_beta_slow",
+                 "rope_attention_factor", "rope_original_max_position_embeddings"):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ConfigError(f"DFlashConfig.{name} must be > 0, got {value!r}")
@@ -253,16 +262,17 @@ class DFlashConfig:
     theta = config.get("rope_theta", rope.get("rope_theta"))
     if theta is not None:
       fields["rope_theta"] = float(theta)
-    scaling = config.get("rope_scaling") or rope
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind != "default":
-      raise ConfigError(f"config.json rope type {kind!r}: the DFlash drafter uses plain RoPE ('default')")
+    fields.update(_yarn_fields(config))
     if config.get("attention_bias"):
       raise ConfigError("config.json attention_bias=true: DFlash projections have no bias")
     if config.get("hidden_act", "silu") != "silu":
       raise ConfigError(f"config.json hidden_act={config['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
     if config.get("use_sliding_window"):
       raise ConfigError("config.json use_sliding_window=true: sliding-window drafters are not supported")
+    sliding = [i for i, kind in enumerate(config.get("layer_types") or []) if kind != "full_attention"]
+    if sliding:
+      raise ConfigError(f"config.json layer_types: layer {sliding[0]} is {config['layer_types'][sliding[0]]!r}; "
+                        "sliding-window drafter layers are not supported")
     for name in ("target_layer_ids", "mask_token_id", "block_size", "loss_gamma"):
       if pick(name) is not None:
         fields[name] = tuple(pick(name)) if name == "target_layer_ids" else pick(name)
@@ -273,11 +283,17 @@ class DFlashConfig:
     return cls(**fields)
 
   def to_hf(self) -> dict:
-    """The ``config.json`` dict in the published DFlash layout."""
+    """The ``config.json`` dict in the published DFlash layout (``block_size`` at the top level,
+    where the published model code reads it, and under ``dflash_config`` too)."""
     nested = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
               "block_size": self.block_size}
     if self.loss_gamma is not None:
       nested["loss_gamma"] = self.loss_gamma
+    scaling = {} if self.rope_factor <= 1.0 else {"rope_scaling": {
+        "rope_type": "yarn", "factor": self.rope_factor,
+        "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+        "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow,
+        "attention_factor": self.rope_attention_factor}}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -296,8 +312,39 @@ class DFlashConfig:
         "initializer_range": self.initializer_range,
         "torch_dtype": self.param_dtype,
         "num_target_layers": self.target_num_hidden_layers,
+        "block_size": self.block_size,
         "dflash_config": nested,
+        **scaling,
     }
+
+
+def _yarn_fields(config: Mapping[str, Any]) -> dict:
+  """DFlashConfig's YaRN fields from an HF config (none for plain RoPE). Without an explicit
+  ``attention_factor``, transformers' rule: m(f, mscale) / m(f, mscale_all_dim) where both are
+  given (1 for the published Kimi drafters), else 0.1 ln f + 1. Older transformers and vLLM used
+  0.1 ln f + 1 for those drafters too (1.416 at factor 64): pass ``rope_attention_factor`` to
+  ``load_dflash`` to choose it."""
+  scaling = rope_scaling_fields(config)
+  if not scaling:
+    return {}
+  source = scaling.pop("_source")
+  for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+              "original_max_position_embeddings"):
+    value = scaling.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise ConfigError(f"config.json {source}.{key} must be a number, got {value!r}")
+  factor = float(scaling["factor"])
+  attention = scaling.get("attention_factor")
+  if attention is None:
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                 else yarn_mscale(factor, 1.0))
+  original = scaling.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 4096
+  if original != int(original):
+    raise ConfigError(f"config.json {source}.original_max_position_embeddings must be an int, got {original!r}")
+  return dict(rope_factor=factor, rope_original_max_position_embeddings=int(original),
+              rope_beta_fast=float(scaling.get("beta_fast") or 32), rope_beta_slow=float(scaling.get("beta_slow") or 1),
+              rope_attention_factor=float(attention))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +355,9 @@ def _linear(cfg: DFlashConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Lin
                     kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
 
 
-def apply_rope(x, positions, theta: float):
-  """Standard rotate-half RoPE: pair (i, i + D/2) turns by ``position * theta**(-2i/D)``.
+def apply_rope(x, positions, cfg: DFlashConfig):
+  """Rotate-half RoPE: pair (i, i + D/2) turns by ``position * inv_freq[i]``, ``theta**(-2i/D)``
+  (YaRN-corrected where ``cfg.rope_factor`` > 1, cos and sin then times the attention factor).
 
   Args:
     x: [..., S, N, D]; positions: int32[..., S].
@@ -317,9 +365,11 @@ def apply_rope(x, positions, theta: float):
     Same shape and dtype (computed in float32).
   """
   half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1]))  # [D/2]
+  inv_freq = yarn_inv_freq_of(x.shape[-1], cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position_embeddings,
+                              cfg.rope_beta_fast, cfg.rope_beta_slow)  # [D/2]
+  scale = cfg.rope_attention_factor if cfg.rope_factor > 1.0 else 1.0
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., S, D/2]
-  cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+  cos, sin = (jnp.cos(angles) * scale)[..., None, :], (jnp.sin(angles) * scale)[..., None, :]
   x32 = x.astype(jnp.float32)
   x1, x2 = x32[..., :half], x32[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -348,7 +398,7 @@ class DFlashAttention(nnx.Module):
     """
     cfg = self.cfg
     split = x.shape[:-1] + (cfg.num_key_value_heads, cfg.head_dim)
-    k = apply_rope(self.k_norm(self.k_proj(x).reshape(split)), positions, cfg.rope_theta)
+    k = apply_rope(self.k_norm(self.k_proj(x).reshape(split)), positions, cfg)
     return k, self.v_proj(x).reshape(split)
 
   def __call__(self, x, positions, ctx_k, ctx_v, ctx_visible):
@@ -365,7 +415,7 @@ class DFlashAttention(nnx.Module):
     cfg = self.cfg
     b, a, s, _ = x.shape
     n, g, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, a, s, n, d)), positions, cfg.rope_theta)
+    q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, a, s, n, d)), positions, cfg)
     q = q.reshape(b, a, s, g, n // g, d)  # query head g * R + r reads kv head g (HF repeat_kv)
     k, v = self.keys_values(x, positions)  # [B, A, S, G, D]
     ctx_k, ctx_v = ctx_k.astype(q.dtype), ctx_v.astype(q.dtype)

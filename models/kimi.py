@@ -63,20 +63,26 @@ def _linear(cfg: KimiConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linea
 
 
 def yarn_inv_freq(cfg: KimiConfig):
-  """Per-pair inverse frequencies [P/2] with YaRN's ramp between interpolation and extrapolation."""
-  dim = cfg.qk_rope_head_dim
+  """Per-pair inverse frequencies [P/2] of the target's rope dimensions (YaRN where factor > 1)."""
+  return yarn_inv_freq_of(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor,
+                          cfg.rope_original_max_position_embeddings, cfg.rope_beta_fast, cfg.rope_beta_slow)
+
+
+def yarn_inv_freq_of(dim: int, theta: float, factor: float, original_max_positions: int, beta_fast: float,
+                     beta_slow: float):
+  """Inverse frequencies [dim/2] of pair i (``theta**(-2i/dim)``) with YaRN's ramp between
+  interpolation (divided by ``factor``) and extrapolation; plain RoPE where factor <= 1."""
   exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
-  extrapolated = 1.0 / (cfg.rope_theta**exponents)
-  if cfg.rope_factor <= 1.0:
+  extrapolated = 1.0 / (theta**exponents)
+  if factor <= 1.0:
     return extrapolated
-  interpolated = extrapolated / cfg.rope_factor
+  interpolated = extrapolated / factor
 
   def correction_dim(num_rotations):
-    return (dim * math.log(cfg.rope_original_max_position_embeddings / (num_rotations * 2 * math.pi))
-            / (2 * math.log(cfg.rope_theta)))
+    return dim * math.log(original_max_positions / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-  low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
-  high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+  low = max(math.floor(correction_dim(beta_fast)), 0)
+  high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
   if low == high:
     high += 0.001  # avoid a zero-width ramp
   ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)

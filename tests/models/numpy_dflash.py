@@ -36,13 +36,29 @@ def rms_norm(x, weight, eps: float) -> np.ndarray:
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(weight)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-  """x [S, N, D] rotated at positions [S] (pairs i and i + D/2, as complex numbers)."""
+def rope_inv_freq(cfg, d: int) -> np.ndarray:
+  """float64 [d/2]: theta**(-2i/d), with YaRN (the paper's ramp between frequency / factor for
+  slow pairs and the frequency itself for fast ones) where cfg.rope_factor > 1."""
+  theta = cfg.rope_theta
+  freq = theta ** (-2.0 * np.arange(d // 2, dtype=F64) / d)
+  if cfg.rope_factor <= 1:
+    return freq
+  bound = lambda rotations: d * np.log(cfg.rope_original_max_position_embeddings / (rotations * 2 * np.pi)) / (
+      2 * np.log(theta))
+  low, high = max(np.floor(bound(cfg.rope_beta_fast)), 0), min(np.ceil(bound(cfg.rope_beta_slow)), d - 1)
+  high = high + 0.001 if low == high else high
+  interpolate = np.clip((np.arange(d // 2, dtype=F64) - low) / (high - low), 0, 1)
+  return freq / cfg.rope_factor * interpolate + freq * (1 - interpolate)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, cfg) -> np.ndarray:
+  """x [S, N, D] rotated at positions [S] (pairs i and i + D/2, as complex numbers), scaled by
+  YaRN's attention factor where it is on."""
   d = x.shape[-1]
   half = d // 2
   z = x[..., :half] + 1j * x[..., half:]
-  freqs = theta ** (-2.0 * np.arange(half, dtype=F64) / d)
-  z = z * np.exp(1j * np.asarray(positions, F64)[:, None, None] * freqs[None, None, :])
+  scale = cfg.rope_attention_factor if cfg.rope_factor > 1 else 1.0
+  z = z * np.exp(1j * np.asarray(positions, F64)[:, None, None] * rope_inv_freq(cfg, d)[None, None, :]) * scale
   return np.concatenate([z.real, z.imag], axis=-1)
 
 
@@ -63,7 +79,7 @@ def block_logits(state: dict, cfg, embed: np.ndarray, lm_head: np.ndarray, ctx_f
     root: token at ``start``.
   """
   w = {name: _f64(value) for name, value in state.items()}
-  eps, theta = cfg.rms_norm_eps, cfg.rope_theta
+  eps = cfg.rms_norm_eps
   n_heads, g_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
   per_group = n_heads // g_heads
   feats = _f64(ctx_features)
@@ -82,10 +98,10 @@ def block_logits(state: dict, cfg, embed: np.ndarray, lm_head: np.ndarray, ctx_f
     x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
     rows = np.concatenate([ctx, x], axis=0)  # [T + S, H]: context then block
     k = (rows @ w[p + "self_attn.k_proj.weight"].T).reshape(t + size, g_heads, d)
-    k = rope(rms_norm(k, w[p + "self_attn.k_norm.weight"], eps), key_pos, theta)
+    k = rope(rms_norm(k, w[p + "self_attn.k_norm.weight"], eps), key_pos, cfg)
     v = (rows @ w[p + "self_attn.v_proj.weight"].T).reshape(t + size, g_heads, d)
     q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(size, n_heads, d)
-    q = rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), block_pos, theta)
+    q = rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), block_pos, cfg)
     heads = []
     for n in range(n_heads):
       g = n // per_group

@@ -346,6 +346,51 @@ def test_dflash_drafter_in_engine_is_lossless_and_admission_never_compiles(targe
   assert compiles == []  # admission (drafter.reset included) and steps were compiled ahead of time
 
 
+def test_yarn_drafter_matches_the_reference(target):
+  """YaRN RoPE (the published Kimi drafters' rope_scaling): positions past the original window
+  interpolate the slow pairs, and cos/sin carry the attention factor. The plain-RoPE logits differ
+  far beyond the tolerance, so the YaRN path is what is checked."""
+  cfg = CFG.replace(rope_factor=4.0, rope_original_max_position_embeddings=8, rope_beta_fast=8.0,
+                    rope_attention_factor=1.3)
+  model = make_drafter_model(cfg, 2)
+  params = dflash.DFlashDrafter.params(model, target)
+  state = dflash.to_hf_state_dict(model)
+  embed = np.asarray(target.embed_tokens.embedding[...])
+  head = np.asarray(target.lm_head.kernel[...]).T
+  feats = random_features(np.random.default_rng(5), 1, 37, cfg)
+  cache = extend_in_chunks(model, dflash.DFlashDrafter(cfg).init_state(1, 64), [0], feats, [37])
+  got = np.asarray(_block_logits(model, params.embed_table, params.lm_head_kernel, cache, jnp.asarray([0]),
+                                 jnp.asarray([11]), jnp.asarray([37], jnp.int32)))[0]
+  ref = numpy_dflash.block_logits(state, cfg, embed, head, np.asarray(feats[0]), np.arange(37), 11, 37)
+  plain = numpy_dflash.block_logits(state, cfg.replace(rope_factor=1.0), embed, head, np.asarray(feats[0]),
+                                    np.arange(37), 11, 37)
+  assert np.abs(ref - plain).max() > 50 * ATOL
+  np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
+
+
+def test_published_kimi_drafter_config_reads_with_yarn():
+  """A K2.6 DFlash config.json as published (facts of the public config: 6 layers, block 8 at the
+  top level, YaRN factor 64 with mscale = mscale_all_dim = 1)."""
+  published = {
+      "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 7168, "num_hidden_layers": 6,
+      "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 18432,
+      "vocab_size": 163840, "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "num_target_layers": 61, "block_size": 8,
+      "max_position_embeddings": 262144, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+      "rope_scaling": {"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                       "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+      "dflash_config": {"target_layer_ids": [1, 12, 24, 35, 47, 58], "mask_token_id": 163838},
+  }
+  cfg = dflash.DFlashConfig.from_hf(published)
+  assert (cfg.rope_factor, cfg.rope_original_max_position_embeddings, cfg.rope_attention_factor) == (64.0, 4096, 1.0)
+  assert (cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id) == (8, (1, 12, 24, 35, 47, 58), 163838)
+  cfg.check_target(KimiConfig.k2_6())
+  assert dflash.DFlashConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+  # Without mscale and mscale_all_dim, transformers' default amplitude 0.1 ln(64) + 1.
+  bare = dict(published, rope_scaling={"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096})
+  assert abs(dflash.DFlashConfig.from_hf(bare).rope_attention_factor - (0.1 * np.log(64) + 1)) < 1e-12
+  assert dflash.DFlashConfig.from_hf(published, rope_attention_factor=1.416).rope_attention_factor == 1.416
+
+
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +399,7 @@ def test_config_hf_round_trip_and_published_layout():
   hf = json.loads(json.dumps(cfg.to_hf()))
   assert hf["architectures"] == ["DFlashDraftModel"] and hf["num_target_layers"] == 3
   assert hf["dflash_config"]["target_layer_ids"] == [0, 1] and hf["dflash_config"]["block_size"] == 16
+  assert hf["block_size"] == 16  # where the published model code reads it
   assert hf["dflash_config"]["mask_token_id"] == TARGET_CFG.vocab_size - 1
   assert dflash.DFlashConfig.from_hf(hf) == cfg
   # Top-level fields and transformers-5 style rope_parameters are accepted when reading.
@@ -393,8 +439,12 @@ def test_bad_hf_configs_and_mismatched_targets_are_named(target, drafter_model):
     dflash.DFlashConfig.from_hf({k: v for k, v in hf.items() if k != "num_target_layers"})
   with pytest.raises(ConfigError, match="sliding-window"):
     dflash.DFlashConfig.from_hf(dict(hf, use_sliding_window=True))
-  with pytest.raises(ConfigError, match="rope type 'yarn'"):
-    dflash.DFlashConfig.from_hf(dict(hf, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+  with pytest.raises(ConfigError, match="rope_scaling type 'linear': only 'yarn'"):
+    dflash.DFlashConfig.from_hf(dict(hf, rope_scaling={"rope_type": "linear", "factor": 4.0}))
+  with pytest.raises(ConfigError, match="rope_scaling lacks factor"):
+    dflash.DFlashConfig.from_hf(dict(hf, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 8}))
+  with pytest.raises(ConfigError, match="layer_types: layer 1 is 'sliding_attention'"):
+    dflash.DFlashConfig.from_hf(dict(hf, layer_types=["full_attention", "sliding_attention"]))
   other = kimi.abstract_model(TARGET_CFG.replace(hidden_size=32))
   with pytest.raises(ConfigError, match="hidden_size=64 does not match the target's hidden_size=32"):
     dflash.DFlashDrafter.params(drafter_model, other)
