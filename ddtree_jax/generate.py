@@ -20,9 +20,9 @@ import sys
 import jax
 
 from ddtree_jax import drafters, engine, near_tie, policies, policy_modules
-from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, loading
 from models.config import EXPERT_FORMATS, KERNEL_IMPLS, expert_format_overrides, kernel_backend_error, kernel_dtype_error
+from serve.text import TextCodec
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that stops after "\n" leaves the model at a token boundary it never saw in training.
@@ -79,15 +79,14 @@ def main(argv=None) -> int:
                                **expert_format_overrides(args.experts), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     draft = loading.load_dflash(args.drafter, dtype=args.dtype, param_dtype=args.dtype)
     drafter_params = dflash.DFlashDrafter.params(draft, target)  # refuses a drafter of another target
-  except (FileNotFoundError, KeyError, ValueError) as err:
+    # The server's text handling: tokenizer.json or Kimi's tiktoken.model, the BOS its config asks for.
+    codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
+    prompt = codec.completion_prompt(args.prompt)
+  except (FileNotFoundError, KeyError, ValueError) as err:  # TextError is a ValueError
     parser.error(str(err))
-  if not (model_dir / "tokenizer.json").exists():
-    parser.error(f"{model_dir} has no tokenizer.json")
-  tok = tokenizer_lib.load_tokenizer(model_dir / "tokenizer.json")
-  eot = tokenizer_lib.special_token_id(tok, "<|endoftext|>")
-  prompt = [eot] + tokenizer_lib.encode(tok, args.prompt)  # documents start after <|endoftext|>
+  stops = list(codec.stop_ids)
   max_len = len(prompt) + args.max_new_tokens + max(args.budget, draft.cfg.block_size) + 1
-  sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_token_ids=[eot])
+  sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
   # A short prompt and few new tokens make a cache shorter than the engine's default prefill chunk.
   common = dict(batch_buckets=(1,), max_len=max_len, prefill_chunk=min(64, max_len),
                 compile_cache_dir=args.compile_cache_dir)
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
   except engine.EngineError as err:  # e.g. a --policy-module policy whose tree the step refuses
     parser.error(str(err))
   result = spec.generate([prompt], args.max_new_tokens, **sampling)
-  text = tokenizer_lib.decode(tok, [t for t in result.tokens[0] if t != eot])
+  text = codec.decode(result.tokens[0])  # special tokens (the stop id among them) left out
   print(args.prompt + text)
   print("-" * 72)
   experts = ", INT4 experts" if target.cfg.experts_int4 else ""
@@ -115,21 +114,22 @@ def main(argv=None) -> int:
         f"({'greedy' if args.temperature == 0 else 'seeded sampling: keys depend on seed and position only'})")
   if same or args.temperature > 0:
     return 0 if same else 1
-  return 0 if near_tie_report(target, prompt, result.tokens[0], reference.tokens[0], args.dtype, eot,
+  return 0 if near_tie_report(target, prompt, result.tokens[0], reference.tokens[0], args.dtype, stops,
                               args.max_new_tokens, max_len) else 1
 
 
-def near_tie_report(target, prompt, speculative, plain, dtype: str, stop_id: int, max_new_tokens: int,
+def near_tie_report(target, prompt, speculative, plain, dtype: str, stop_ids, max_new_tokens: int,
                     max_len: int) -> bool:
   """Where greedy streams differ, judges each against an engine-independent greedy decoding
-  (``near_tie.greedy_reference``: one token a step, cut after ``stop_id``) by DESIGN's near-tie
+  (``near_tie.greedy_reference``: one token a step, cut after its first of ``stop_ids``) by DESIGN's near-tie
   rule and prints the verdicts. True when the speculative stream differs from it only at a near
   tie; a plain stream that leaves it is reported (a bug of the plain engine, or noise), not fatal."""
   # Its own cache: the reference prefills whole chunks, which the engines' cache need not hold.
   chunk = near_tie.PREFILL_CHUNK
   ref_tokens, ref_margins = near_tie.greedy_reference(
       target, [prompt], max_new_tokens, max(max_len, -(-len(prompt) // chunk) * chunk + max_new_tokens + 1))
-  ref = ref_tokens[0][:ref_tokens[0].index(stop_id) + 1] if stop_id in ref_tokens[0] else ref_tokens[0]
+  stop_at = next((i for i, t in enumerate(ref_tokens[0]) if t in stop_ids), None)
+  ref = ref_tokens[0] if stop_at is None else ref_tokens[0][:stop_at + 1]
   tolerance = near_tie.TOLERANCE[dtype]
   verdicts = {}
   for name, tokens in (("speculative", speculative), ("plain", plain)):

@@ -54,7 +54,7 @@ def test_near_tie_report_cuts_the_reference_at_the_stop_and_catches_a_short_stre
   stop = 7
   monkeypatch.setattr(near_tie, "greedy_reference", lambda target, prompts, new, max_len: (
       [[1, 2, 3, stop, 8, 9][:new]], [np.array([0.5, 0.5, 1e-4, 0.5, 0.5, 0.5])[:new]]))
-  report = lambda spec, plain: generate.near_tie_report(None, [0], spec, plain, "float32", stop, 6, 16)
+  report = lambda spec, plain: generate.near_tie_report(None, [0], spec, plain, "float32", (99, stop), 6, 16)
   assert report([1, 2, 3, stop], [1, 2, 3, stop])
   assert "speculative output equals greedy decoding" in capsys.readouterr().out
   assert not report([1, 2, 3], [1, 2, 3, stop])
