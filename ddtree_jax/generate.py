@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     draft = loading.load_dflash(args.drafter, dtype=args.dtype, param_dtype=args.dtype)
     drafter_params = dflash.DFlashDrafter.params(draft, target)  # refuses a drafter of another target
     # The server's text handling: tokenizer.json or Kimi's tiktoken.model, the BOS its config asks for.
-    codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id)
+    codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id, chat=False)
     prompt = codec.completion_prompt(args.prompt)
   except (FileNotFoundError, KeyError, ValueError) as err:  # TextError is a ValueError
     parser.error(str(err))

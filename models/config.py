@@ -404,6 +404,7 @@ class KimiConfig:
 
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1}  # transformers' (the mscales' defaults differ by reader)
 
 
 def rope_scaling_fields(config: Mapping[str, Any]) -> dict | None:
@@ -419,6 +420,8 @@ def rope_scaling_fields(config: Mapping[str, Any]) -> dict | None:
     if not isinstance(value, Mapping):
       raise ConfigError(f"config.json {source} must be a dict, got {value!r}")
     kind = value.get("type", value.get("rope_type"))
+    if kind is None and source == "rope_parameters" and value.get("factor") is None:
+      kind = "default"  # transformers v5 may leave the type out of plain RoPE's parameters
     if kind == "default" or (not value and source == "rope_scaling"):
       found[source] = None
       continue
@@ -430,7 +433,7 @@ def rope_scaling_fields(config: Mapping[str, Any]) -> dict | None:
     found[source] = dict(value, _source=source)
   if len(found) == 2:
     a, b = found["rope_scaling"], found["rope_parameters"]
-    pick = lambda d: None if d is None else {k: d.get(k) for k in _YARN_KEYS}
+    pick = lambda d: None if d is None else {k: d.get(k, _YARN_DEFAULTS.get(k)) for k in _YARN_KEYS}
     if pick(a) != pick(b):
       raise ConfigError(f"config.json rope_scaling {pick(a)} and rope_parameters {pick(b)} disagree")
   return found.get("rope_scaling", found.get("rope_parameters"))

@@ -258,8 +258,10 @@ class DFlashConfig:
     for name in ("rms_norm_eps", "initializer_range"):
       if config.get(name) is not None:
         fields[name] = config[name]
-    rope = config.get("rope_parameters") or {}
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
     theta = config.get("rope_theta", rope.get("rope_theta"))
+    if rope.get("rope_theta") is not None and theta != rope["rope_theta"]:
+      raise ConfigError(f"config.json rope_theta={theta!r} and rope_parameters.rope_theta={rope['rope_theta']!r} disagree")
     if theta is not None:
       fields["rope_theta"] = float(theta)
     fields.update(_yarn_fields(config))
@@ -339,7 +341,7 @@ def _yarn_fields(config: Mapping[str, Any]) -> dict:
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
                  else yarn_mscale(factor, 1.0))
-  original = scaling.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 4096
+  original = scaling["original_max_position_embeddings"]  # rope_scaling_fields requires it
   if original != int(original):
     raise ConfigError(f"config.json {source}.original_max_position_embeddings must be an int, got {original!r}")
   return dict(rope_factor=factor, rope_original_max_position_embeddings=int(original),

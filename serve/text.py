@@ -75,9 +75,10 @@ class TextCodec:
     self.chat_stop_ids = tuple(i for i in (self._marker["<|im_end|>"],) if i is not None)
 
   @classmethod
-  def from_model_dir(cls, directory, *, eos_token_id: int) -> "TextCodec":
+  def from_model_dir(cls, directory, *, eos_token_id: int, chat: bool = True) -> "TextCodec":
     """Reads the tokenizer (``tokenizer.json``, else Kimi's ``tiktoken.model``) and the chat template
-    (``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``), if any."""
+    (``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``), if any. With
+    ``chat`` a model with neither a template nor the built-in one's markers is refused."""
     directory = Path(directory)
     tok = tokenizer_files.load(directory)
     config = tokenizer_files.read_tokenizer_config(directory)
@@ -100,7 +101,7 @@ class TextCodec:
       extra.append(tok.token_to_id(special["eos_token"]))
     codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special,
                 extra_stop_ids=extra)
-    if template is None and any(i is None for i in codec._marker.values()):
+    if chat and template is None and any(i is None for i in codec._marker.values()):
       raise TextError(f"{directory}: no chat template (chat_template.jinja or tokenizer_config.json) and no "
                       "<|im_*|> tokens for the built-in one")
     return codec
@@ -143,6 +144,8 @@ class TextCodec:
         raise TextError(f"messages[{i}].role: {message.role!r} is not one of {list(CHAT_ROLES)}")
     if self._template is not None:
       return self._checkpoint_chat_prompt(messages)
+    if any(i is None for i in self._marker.values()):  # a codec read with chat=False
+      raise TextError("messages: this model has no chat template and no <|im_*|> tokens for the built-in one")
     ids: list[int] = []
     for message in messages:
       ids += [self._marker[f"<|im_{message.role}|>"], *self.encode(message.role), self._marker["<|im_middle|>"],

@@ -14,6 +14,7 @@ ids by name. Encoding and decoding release the GIL in both libraries.
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -111,6 +112,10 @@ class KimiTiktokenTokenizer:
                         for i in range(num_base, num_base + NUM_RESERVED_SPECIAL_TOKENS)}
     if len(self.special_ids) != NUM_RESERVED_SPECIAL_TOKENS:
       raise TokenizerFileError("tokenizer_config.json gives two special ids the same name")
+    if "" in self.special_ids:  # it would "occur" in every text
+      raise TokenizerFileError(f"tokenizer_config.json names special id {self.special_ids['']} with an empty string")
+    # Longest first, so that a name containing another is matched whole.
+    self._special_re = re.compile("|".join(map(re.escape, sorted(self.special_ids, key=len, reverse=True))))
     self._num_base = num_base
     self._ranks = ranks
     self.encoding = tiktoken.Encoding(name=Path(ranks_path).name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
@@ -122,12 +127,20 @@ class KimiTiktokenTokenizer:
     return [i for piece in _pieces(text) for i in self.encoding.encode(piece, disallowed_special=())]
 
   def encode_parsing_special(self, text: str) -> list[int]:
-    return [i for piece in _pieces(text) for i in self.encoding.encode(piece, allowed_special="all")]
+    # Special spellings first, then the text between them in pieces: a cut of the long-run rule
+    # must never fall inside a marker (tokenizers split on added tokens first too).
+    ids, start = [], 0
+    for match in self._special_re.finditer(text):
+      ids += self.encode(text[start:match.start()])
+      ids.append(self.special_ids[match.group()])
+      start = match.end()
+    return ids + self.encode(text[start:])
 
   def decode(self, ids: Sequence[int]) -> str:
     # tiktoken decodes bytes with errors="replace": an incomplete UTF-8 tail shows as U+FFFD, which
-    # the stream holds back until its last byte arrives, as with tokenizers.
-    return self.encoding.decode([int(i) for i in ids if not self._num_base <= int(i) < self.vocab_size])
+    # the stream holds back until its last byte arrives, as with tokenizers. Special ids and ids
+    # past the tokenizer (a model vocabulary padded beyond it) have no text.
+    return self.encoding.decode([int(i) for i in ids if 0 <= int(i) < self._num_base])
 
   decode_long = decode  # tiktoken's decode already releases the GIL
 
@@ -164,9 +177,12 @@ def load(directory) -> HFTokenizer | KimiTiktokenTokenizer:
                             "to read text)")
   _check_kimi_pattern(directory)
   config = read_tokenizer_config(directory)
-  decoder = config.get("added_tokens_decoder") or {}
-  if not isinstance(decoder, dict):
-    raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: added_tokens_decoder must be a dict")
+  decoder = config.get("added_tokens_decoder")
+  if not isinstance(decoder, dict) or not decoder:
+    # Without it every special id would be <|reserved_token_N|>: no [EOS], no turn markers.
+    raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: a tiktoken.model checkpoint needs "
+                             "added_tokens_decoder (the names of its special ids), got "
+                             f"{'nothing' if decoder is None else repr(decoder)[:80]}")
   names = {}
   for key, token in decoder.items():
     content = token.get("content") if isinstance(token, dict) else token

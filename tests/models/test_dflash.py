@@ -408,6 +408,8 @@ def test_config_hf_round_trip_and_published_layout():
                                                                                         "rope_type": "default"})
   read = dflash.DFlashConfig.from_hf(flat)
   assert (read.target_layer_ids, read.mask_token_id, read.block_size, read.rope_theta) == ((1, 2), 7, 8, 5e5)
+  typeless = dict(flat, rope_parameters={"rope_theta": 5e5})  # transformers v5 may leave plain RoPE's type out
+  assert dflash.DFlashConfig.from_hf(typeless) == read
   kimi_drafter = dflash.DFlashConfig.for_target(KimiConfig())
   assert (kimi_drafter.num_attention_heads, kimi_drafter.num_key_value_heads,
           kimi_drafter.mask_token_id) == (56, 8, 163839)
@@ -443,6 +445,8 @@ def test_bad_hf_configs_and_mismatched_targets_are_named(target, drafter_model):
     dflash.DFlashConfig.from_hf(dict(hf, rope_scaling={"rope_type": "linear", "factor": 4.0}))
   with pytest.raises(ConfigError, match="rope_scaling lacks factor"):
     dflash.DFlashConfig.from_hf(dict(hf, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 8}))
+  with pytest.raises(ConfigError, match="rope_theta=10000.0 and rope_parameters.rope_theta=500.0 disagree"):
+    dflash.DFlashConfig.from_hf(dict(hf, rope_parameters={"rope_theta": 500.0}))
   with pytest.raises(ConfigError, match="layer_types: layer 1 is 'sliding_attention'"):
     dflash.DFlashConfig.from_hf(dict(hf, layer_types=["full_attention", "sliding_attention"]))
   other = kimi.abstract_model(TARGET_CFG.replace(hidden_size=32))

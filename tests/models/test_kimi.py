@@ -371,6 +371,12 @@ def test_config_from_hf_latent_eps_and_transformers_v5_rope_parameters():
     KimiConfig.from_hf({**hf, "rope_parameters": dict(v5["rope_parameters"], rope_theta=10000.0)})
   assert KimiConfig.from_hf({**hf, "rope_parameters": v5["rope_parameters"]}, dtype=real.dtype,
                             param_dtype=real.param_dtype) == real  # both, agreeing
+  implicit = {k: v for k, v in v5["rope_parameters"].items() if k not in ("beta_fast", "beta_slow")}
+  assert (hf["rope_scaling"]["beta_fast"], hf["rope_scaling"]["beta_slow"]) != (32, 1)  # K2.6's are not the defaults
+  assert KimiConfig.from_hf({**hf, "rope_scaling": dict(hf["rope_scaling"], beta_fast=32, beta_slow=1),
+                             "rope_parameters": implicit}).rope_beta_fast == 32  # defaults agree with values
+  typeless = KimiConfig.from_hf({**v5, "rope_parameters": {"rope_theta": 5e5}})  # v5 may leave plain RoPE's type out
+  assert (typeless.rope_factor, typeless.rope_theta) == (1.0, 5e5)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -98,6 +98,7 @@ def test_tiktoken_checkpoint_reads_as_kimis_tokenizer(kimi_dir, ranks, reference
   assert parsed == [base + 3, *tok.encode("user"), base + 8, *tok.encode("hi"), base + 2]
   assert tok.decode(parsed) == "userhi"  # special ids are left out of text
   assert tok.decode_long(parsed) == "userhi"
+  assert tok.decode([*tok.encode("ok"), base + 256, base + 999]) == "ok"  # past the tokenizer: no text
 
 
 def test_long_runs_are_cut_as_kimi_cuts_them(kimi_dir):
@@ -119,6 +120,9 @@ def test_codec_from_a_kimi_checkpoint_directory(kimi_dir, ranks):
   assert ids == ([base + 7, *codec.encode("system"), base + 8, *codec.encode("be brief"), base + 2,
                   base + 3, *codec.encode("user"), base + 8, *codec.encode(forged), base + 2,
                   base + 4, *codec.encode("assistant"), base + 8])
+  # A message long enough for the long-run rule to cut near the markers after it: they stay ids.
+  for n in range(24_960, 24_975):
+    assert codec.chat_prompt([Message("user", "x" * n)]).count(base + 2) == 1, n
   # Streaming a reply token by token gives its text exactly, multi-byte characters included.
   text = "中文 😀 café: déjà vu"
   stream, out = StreamText(codec), ""
@@ -137,6 +141,12 @@ def test_bad_kimi_tokenizer_files_are_named(tmp_path, ranks):
   twice = write_kimi_tokenizer(tmp_path / "twice", ranks, special={0: "[X]", 1: "[X]"})
   with pytest.raises(tokenizer_files.TokenizerFileError, match="two special ids the same name"):
     tokenizer_files.load(twice)
+  empty = write_kimi_tokenizer(tmp_path / "empty", ranks, special={0: "[BOS]", 5: ""})
+  with pytest.raises(tokenizer_files.TokenizerFileError, match=f"special id {len(ranks) + 5} with an empty string"):
+    tokenizer_files.load(empty)
+  unnamed = write_kimi_tokenizer(tmp_path / "unnamed", ranks, special={})
+  with pytest.raises(tokenizer_files.TokenizerFileError, match="needs added_tokens_decoder"):
+    tokenizer_files.load(unnamed)
   broken = write_kimi_tokenizer(tmp_path / "broken", ranks)
   (broken / "tiktoken.model").write_text("not base64! 0\n")
   with pytest.raises(tokenizer_files.TokenizerFileError, match="tiktoken.model: not a tiktoken BPE file"):
