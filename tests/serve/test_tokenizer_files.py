@@ -132,33 +132,32 @@ def test_codec_from_a_kimi_checkpoint_directory(kimi_dir, ranks):
   assert out + stream.push(reply, final=True) == text
 
 
-def test_bad_kimi_tokenizer_files_are_named(tmp_path, ranks):
+BAD_FILES = [  # (special names, (file, text) written over the good ones, the error's words)
+    ({300: "[FAR]"}, None, "special id {base+300} outside the reserved"),
+    ({0: "[X]", 1: "[X]"}, None, "two special ids the same name"),
+    ({0: "[BOS]", 5: ""}, None, "special id {base+5} with an empty string"),
+    ({}, None, "needs added_tokens_decoder"),
+    (SPECIAL, ("tiktoken.model", "not base64! 0\n"), "tiktoken.model: not a tiktoken BPE file"),
+    (SPECIAL, ("tiktoken.model", "YQ== 0\nYg== 2\n"), "ranks must be 0..1, each once"),
+    (SPECIAL, ("tokenization_kimi.py", 'pat_str = "|".join([r"""\\p{L}+""", r"""\\s+"""])\n'),
+     "pre-tokeniser pattern differs from Kimi's"),
+]
+
+
+@pytest.mark.parametrize("special, overwrite, message", BAD_FILES)
+def test_bad_kimi_tokenizer_files_are_named(tmp_path, ranks, special, overwrite, message):
+  directory = write_kimi_tokenizer(tmp_path / "kimi", ranks, special=special)
+  if overwrite:
+    (directory / overwrite[0]).write_text(overwrite[1])
+  base = len(ranks)
+  message = message.replace("{base+300}", str(base + 300)).replace("{base+5}", str(base + 5))
+  with pytest.raises(tokenizer_files.TokenizerFileError, match=message):
+    tokenizer_files.load(directory)
+
+
+def test_a_missing_tokenizer_is_named_and_kimis_own_pattern_file_is_accepted(tmp_path, ranks):
   with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor tiktoken.model"):
     tokenizer_files.load(tmp_path)
-  bad = write_kimi_tokenizer(tmp_path / "outside", ranks, special={300: "[FAR]"})
-  with pytest.raises(tokenizer_files.TokenizerFileError, match=f"special id {len(ranks) + 300} outside the reserved"):
-    tokenizer_files.load(bad)
-  twice = write_kimi_tokenizer(tmp_path / "twice", ranks, special={0: "[X]", 1: "[X]"})
-  with pytest.raises(tokenizer_files.TokenizerFileError, match="two special ids the same name"):
-    tokenizer_files.load(twice)
-  empty = write_kimi_tokenizer(tmp_path / "empty", ranks, special={0: "[BOS]", 5: ""})
-  with pytest.raises(tokenizer_files.TokenizerFileError, match=f"special id {len(ranks) + 5} with an empty string"):
-    tokenizer_files.load(empty)
-  unnamed = write_kimi_tokenizer(tmp_path / "unnamed", ranks, special={})
-  with pytest.raises(tokenizer_files.TokenizerFileError, match="needs added_tokens_decoder"):
-    tokenizer_files.load(unnamed)
-  broken = write_kimi_tokenizer(tmp_path / "broken", ranks)
-  (broken / "tiktoken.model").write_text("not base64! 0\n")
-  with pytest.raises(tokenizer_files.TokenizerFileError, match="tiktoken.model: not a tiktoken BPE file"):
-    tokenizer_files.load(broken)
-  gap = write_kimi_tokenizer(tmp_path / "gap", ranks)
-  (gap / "tiktoken.model").write_text("YQ== 0\nYg== 2\n")
-  with pytest.raises(tokenizer_files.TokenizerFileError, match="ranks must be 0..1, each once"):
-    tokenizer_files.load(gap)
-  other = write_kimi_tokenizer(tmp_path / "other", ranks)
-  (other / "tokenization_kimi.py").write_text('pat_str = "|".join([r"""\\p{L}+""", r"""\\s+"""])\n')
-  with pytest.raises(tokenizer_files.TokenizerFileError, match="pre-tokeniser pattern differs from Kimi's"):
-    tokenizer_files.load(other)
   same = write_kimi_tokenizer(tmp_path / "same", ranks)
   source = "pat_str = '|'.join([\n" + "".join(f'    r"""{p}""",\n' for p in tokenizer_files.KIMI_PATTERN_PIECES) + "])\n"
   (same / "tokenization_kimi.py").write_text(source)
