@@ -344,12 +344,8 @@ class KimiConfig:
     if topk_method != "noaux_tc":
       raise ConfigError(f"config.json topk_method={topk_method!r}: only 'noaux_tc' is supported")
     rope_scaling = rope_scaling_fields(config)
-    inner_theta = (config.get("rope_parameters") or {}).get("rope_theta")  # where transformers v5 keeps it
-    if inner_theta is not None:
-      if "rope_theta" in fields and fields["rope_theta"] != inner_theta:
-        raise ConfigError(f"config.json rope_theta={fields['rope_theta']!r} and "
-                          f"rope_parameters.rope_theta={inner_theta!r} disagree")
-      fields["rope_theta"] = inner_theta
+    if rope_theta_field(config) is not None:
+      fields["rope_theta"] = rope_theta_field(config)
     if rope_scaling:
       source = rope_scaling.pop("_source")
 
@@ -405,6 +401,16 @@ class KimiConfig:
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1}  # transformers' (the mscales' defaults differ by reader)
+
+
+def rope_theta_field(config: Mapping[str, Any]):
+  """An HF config's rope_theta: at the top level or, as transformers v5 writes it, inside
+  ``rope_parameters`` (None where neither has it); the two disagreeing is refused."""
+  params = config.get("rope_parameters")
+  outer, inner = config.get("rope_theta"), params.get("rope_theta") if isinstance(params, Mapping) else None
+  if outer is not None and inner is not None and outer != inner:
+    raise ConfigError(f"config.json rope_theta={outer!r} and rope_parameters.rope_theta={inner!r} disagree")
+  return outer if outer is not None else inner
 
 
 def rope_scaling_fields(config: Mapping[str, Any]) -> dict | None:

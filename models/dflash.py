@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models.cache import SlotPooled
-from models.config import ConfigError, KimiConfig, rope_scaling_fields, yarn_mscale
+from models.config import ConfigError, KimiConfig, rope_scaling_fields, rope_theta_field, yarn_mscale
 from models.kimi import RMSNorm, yarn_inv_freq_of
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -258,10 +258,7 @@ class DFlashConfig:
     for name in ("rms_norm_eps", "initializer_range"):
       if config.get(name) is not None:
         fields[name] = config[name]
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
-    theta = config.get("rope_theta", rope.get("rope_theta"))
-    if rope.get("rope_theta") is not None and theta != rope["rope_theta"]:
-      raise ConfigError(f"config.json rope_theta={theta!r} and rope_parameters.rope_theta={rope['rope_theta']!r} disagree")
+    theta = rope_theta_field(config)
     if theta is not None:
       fields["rope_theta"] = float(theta)
     fields.update(_yarn_fields(config))
