@@ -1,4 +1,5 @@
-"""Hand the Mosaic GPU interpreter's callbacks numpy arrays, not jax arrays (CPU tests only).
+"""Hand the Mosaic GPU interpreter's callbacks numpy arrays, not jax arrays (for the interpret-mode tests;
+no other io_callback runs in this project, so the swap is installed suite-wide).
 
 The interpreter runs a kernel as XLA:CPU code that calls back into Python (``io_callback``) for
 every memory access, barrier and thread step: tens of thousands of calls per kernel launch in
