@@ -109,6 +109,20 @@ class RunLog:
                           for k, v in record.items()}) + "\n")
 
 
+def commit_state(*objs) -> None:
+  """Commits every array of the NNX objects to the device it is on, in place.
+
+  Orbax restores arrays committed to a device, freshly initialised ones are not, and jit compiles
+  committed and uncommitted arguments as different programs: with both committed a resumed run
+  reuses the executable a fresh run compiled (from the persistent cache) instead of compiling
+  its step again.
+  """
+  for obj in objs:
+    state = nnx.state(obj)
+    nnx.update(obj, jax.tree.map(lambda x: x if getattr(x, "committed", True) else jax.device_put(x, x.sharding),
+                                 state))
+
+
 def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callable, batch_at: Callable[[int], dict],
              out_dir, tokens_per_step: int, resume: bool = True, after_step: Callable | None = None,
              stop_at: int | None = None, show_progress: bool = True) -> dict:
@@ -130,6 +144,7 @@ def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callab
   if resume and checkpointer.latest_step() is not None:
     start = checkpointer.restore(model, optimizer)
     log.write({"event": "resumed", "step": start})
+  commit_state(model, optimizer)
   t0 = time.perf_counter()
   last_log_t, last_log_step = t0, start
   metrics_host: dict = {}

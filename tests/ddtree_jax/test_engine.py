@@ -74,8 +74,15 @@ def run_lossless(model, prompts, reference, policy, drafter_kind, budgets, batch
 BUDGETS = (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 5, 41)  # the last two drawn at random once
 POLICIES = ("ddtree", "chain", "beam", "static")
 DRAFTERS = ("oracle", "noisy", "random")
-DESIGN = [(BUDGETS[i], POLICIES[i % 4], DRAFTERS[(i // 4) % 3], (1, 3)[(i + i // 4) % 2])
-          for i in range(len(BUDGETS))]
+# Written out rather than generated so that three cases are decoders the tests below build as well
+# (budget 4: the jit test's, 8: the random-drafter tests', 16: the sibling test's chain), whose
+# compiled steps the persistent cache then serves: each distinct step costs seconds to compile.
+DESIGN = [
+    (1, "ddtree", "oracle", 1), (2, "chain", "oracle", 3), (3, "beam", "oracle", 1), (4, "ddtree", "noisy", 1),
+    (5, "static", "oracle", 3), (7, "beam", "noisy", 3), (8, "ddtree", "random", 3), (15, "static", "noisy", 1),
+    (16, "chain", "noisy", 3), (31, "chain", "random", 1), (32, "beam", "random", 3), (41, "static", "random", 1),
+    (63, "chain", "oracle", 1), (64, "ddtree", "noisy", 3),
+]
 
 
 @pytest.mark.parametrize("budget, policy, drafter_kind, batch", DESIGN)
@@ -91,7 +98,7 @@ def test_greedy_lossless_full_cross_product(model, prompts, reference, policy, d
 
 
 def test_design_covers_every_value_and_every_policy_drafter_pair():
-  assert {d[0] for d in DESIGN} == set(BUDGETS)
+  assert sorted(d[0] for d in DESIGN) == sorted(BUDGETS)
   assert {(d[1], d[2]) for d in DESIGN} == set(itertools.product(POLICIES, DRAFTERS))
   assert {(d[1], d[3]) for d in DESIGN} == set(itertools.product(POLICIES, (1, 3)))
 
@@ -256,10 +263,9 @@ def test_float32_steps_compile_at_full_matmul_precision(model):
   """The GPU's default for float32 products is TF32; a float32 model's steps must not use it (the
   CPU runs float32 either way, so this reads the compiled program)."""
   assert model.cfg.dtype == "float32"
-  dec = engine.SpeculativeDecoder(model, drafters.RandomDrafter(CFG.vocab_size), policy="chain", budgets=(2,),
-                                  batch_buckets=(1,), max_len=32, prefill_chunk=8, show_progress=False)
+  dec = decoder(model, drafters.RandomDrafter(CFG.vocab_size), "ddtree", (8,), 3)
   # Without the setting only the tree's own exact-count product (``tree.visibility_from_parents``) asks for it.
-  full = dec._aux[("step", 1, 2)].as_text().count("operand_precision={highest,highest}")  # pylint: disable=protected-access
+  full = dec._aux[("step", 3, 8)].as_text().count("operand_precision={highest,highest}")  # pylint: disable=protected-access
   assert full >= 10, full
 
 
@@ -326,7 +332,7 @@ class FailingDrafter(drafters.RandomDrafter):
 
 
 def test_failed_admission_frees_its_slot(model, prompts):
-  dec = decoder(model, FailingDrafter(CFG.vocab_size), "ddtree", (4,), 3)
+  dec = decoder(model, FailingDrafter(CFG.vocab_size), "ddtree", (8,), 3)  # the random drafter's steps
   with pytest.raises(RuntimeError, match="injected"):
     dec.generate(prompts, 4)
   assert dec.pool.free_slots == dec.num_slots
@@ -334,12 +340,12 @@ def test_failed_admission_frees_its_slot(model, prompts):
 
 # ---- bad input ----------------------------------------------------------------------------------
 def test_bad_input_names_the_argument(model, prompts, reference):
-  drafter = make_drafter("random", prompts, reference[0])
+  drafter = make_drafter("noisy", prompts, reference[0])
   with pytest.raises(ValueError, match="unknown|Unknown"):
     decoder(model, drafter, "no-such-policy", (4,), 1)
-  dec = decoder(model, drafter, "ddtree", (0, 4), 1)
-  with pytest.raises(engine.EngineError, match="budget 8 is above the compiled maximum 4"):
-    dec.generate([prompts[0]], 4, budget=8)
+  dec = decoder(model, drafter, "ddtree", (0, 4, 8), 3)  # the steps of test_generate_never_compiles_after_warmup
+  with pytest.raises(engine.EngineError, match="budget 9 is above the compiled maximum 8"):
+    dec.generate([prompts[0]], 4, budget=9)
   with pytest.raises(engine.EngineError, match="budget 2 was not compiled"):
     dec.generate([prompts[0]], 4, budget=2)
   with pytest.raises(engine.EngineError, match="prompt 0 is empty"):
@@ -365,14 +371,14 @@ def test_bad_input_names_the_argument(model, prompts, reference):
   with pytest.raises(engine.EngineError, match="stop token ids must be ints, got 'a'"):
     dec.generate([prompts[0]], 4, stop_token_ids=["a"])
   assert dec.generate(np.asarray([prompts[0][:4]]), 4).tokens  # equal-length prompts as a 2-D array
-  with pytest.raises(engine.EngineError, match="no free row: all 1 rows"):
-    batch = engine.Batch(dec, 1)
-    batch.admit(dec.request(prompts[0], 4))
-    batch.admit(dec.request(prompts[1], 4))
+  with pytest.raises(engine.EngineError, match="no free row: all 3 rows"):
+    batch = engine.Batch(dec, 3)
+    for i in range(4):
+      batch.admit(dec.request(prompts[i % 3], 4))
   for request in batch.running():
     batch.cancel(request)
-  with pytest.raises(engine.EngineError, match="batch bucket 3 was not compiled \\(compiled buckets: \\[1\\]\\)"):
-    engine.Batch(dec, 3)
+  with pytest.raises(engine.EngineError, match="batch bucket 2 was not compiled \\(compiled buckets: \\[3\\]\\)"):
+    engine.Batch(dec, 2)
   # The engine still serves after refusing bad requests, and every slot is free again.
   assert dec.generate([prompts[0]], 4).tokens
   assert dec.pool.free_slots == dec.num_slots

@@ -8,8 +8,11 @@ import pytest
 from ddtree_jax import engine, generate, near_tie
 
 
+SHORT_RUN = ["--max-new-tokens", "12", "--budget", "4", "--prompt", "import json"]
+
+
 def test_a_short_greedy_run_is_identical_to_plain_decoding(capsys):
-  code = generate.main(["--max-new-tokens", "12", "--budget", "4", "--prompt", "import json"])
+  code = generate.main(SHORT_RUN)
   out = capsys.readouterr().out
   assert code == 0
   assert out.startswith("import json")
@@ -20,9 +23,8 @@ def test_a_short_greedy_run_is_identical_to_plain_decoding(capsys):
 def test_differing_greedy_streams_are_judged_by_the_near_tie_rule(capsys, monkeypatch):
   """A speculative stream that leaves greedy decoding (one token swapped here) is judged against an
   engine-independent greedy decoding: exit 1 and 'NOT a near tie' where the margin is above the
-  tolerance (the allowed verdict below the tolerance: ``test_near_tie_report_...``). The target's
-  experts are quantised on load (``--experts int4``, the bf16 demo checkpoint), and its plain
-  decoding equals the reference's."""
+  tolerance (the allowed verdict below the tolerance: ``test_near_tie_report_...``), and the plain
+  decoding equals the reference's. The short run's arguments, so that its compiled steps serve."""
   real_generate = engine.SpeculativeDecoder.generate
 
   def swap_a_token(self, *args, **kwargs):
@@ -32,11 +34,10 @@ def test_differing_greedy_streams_are_judged_by_the_near_tie_rule(capsys, monkey
     return result
 
   monkeypatch.setattr(engine.SpeculativeDecoder, "generate", swap_a_token)
-  args = ["--max-new-tokens", "8", "--budget", "4", "--prompt", "import json", "--experts", "int4"]
-  code = generate.main(args)
+  code = generate.main(SHORT_RUN)
   out = capsys.readouterr().out
   assert code == 1
-  assert "budget 4, float32, INT4 experts: 8 tokens in " in out
+  assert "budget 4, float32: 12 tokens in " in out
   assert "speculative output DIFFERENT (greedy)" in out
   assert "plain output equals greedy decoding one token a step" in out
   line = next(l for l in out.splitlines() if l.startswith("speculative output first differs"))
@@ -96,10 +97,11 @@ def test_an_unreadable_checkpoint_is_a_usage_error_naming_the_file(capsys, tmp_p
 
 
 def test_policy_options_reach_the_policy(capsys):
+  """Also with the target's experts quantised on load (``--experts int4``, the bf16 demo checkpoint)."""
   code = generate.main(["--max-new-tokens", "8", "--policy", "beam", "--policy-option", "width=2", "--budget", "4",
-                        "--prompt", "import os", "--no-compare"])
+                        "--prompt", "import os", "--no-compare", "--experts", "int4"])
   assert code == 0
-  assert "policy beam, budget 4" in capsys.readouterr().out
+  assert "policy beam, budget 4, float32, INT4 experts: 8 tokens" in capsys.readouterr().out
   for args, message in ((["--policy-option", "widht=2", "--policy", "beam"],
                          "policy 'beam' got unknown options ['widht']; it accepts ['width']"),
                         (["--policy-option", "width"], "--policy-option 'width': expected NAME=VALUE"),

@@ -468,7 +468,10 @@ def test_mla_bf16_partial_outputs():
   assert_matches(got, want, valid, atol=ATOL_BF16_PARTIALS)
 
 
-@pytest.mark.parametrize("form", ["rows_n", "auto", "rows_m"])
+# "rows_n" and "auto" run the plans of test_long_split_kimi_widths[rows_n] and [rows_m] (the
+# default's plan: test_auto_partials_and_epilogue): slow only.
+@pytest.mark.parametrize("form", [pytest.param("rows_n", marks=pytest.mark.slow),
+                                  pytest.param("auto", marks=pytest.mark.slow), "rows_m"])
 def test_mla_kimi_widths_bf16_inputs(form):
   # Kimi's latent (512) and rope (64) widths with 8 heads (TP8), bf16 inputs, 17 rows of tree:
   # 136 rows in 3 tiles of 48 ("rows_n", fp32 partials) or of 64 (the default: "rows_m", 2 KV
@@ -489,7 +492,9 @@ def test_mla_kimi_widths_bf16_inputs(form):
                    options=ta.Options(form="rows_m")).options.epilogue == "registers"
 
 
-@pytest.mark.parametrize("epilogue,partial_dtype", [("registers", "float32"), ("smem", "bfloat16")])
+# The register epilogue on these shapes (33 x 4 rows, two words): test_long_split_demo_widths[rows_m].
+@pytest.mark.parametrize("epilogue,partial_dtype", [pytest.param("registers", "float32", marks=pytest.mark.slow),
+                                                    ("smem", "bfloat16")])
 def test_mla_rows_m_window_across_tiles(epilogue, partial_dtype):
   # "rows_m" with 33 nodes x 4 heads = 132 rows (3 tiles, the last of 4 rows), two visibility
   # words, random padding, and caches whose windows straddle 64-column tiles and splits. The
@@ -593,9 +598,11 @@ def test_mla_demo_widths_full_budget():
   assert_matches(got, want, valid)
 
 
+# (9, 16, 2, 256, "rows_m"): its shapes run in "rows_m smem", its epilogue in (17, 8, 2, 128, "rows_m").
 @pytest.mark.parametrize("q_len,heads,groups,dim,form", [
     (1, 4, 2, 64, "auto"), (9, 6, 2, 64, "auto"), (17, 4, 4, 64, "auto"), (17, 8, 2, 128, "auto"),
-    (17, 8, 2, 128, "rows_m"), (9, 16, 2, 256, "rows_m"), (9, 16, 2, 256, "rows_m smem")])
+    (17, 8, 2, 128, "rows_m"), pytest.param(9, 16, 2, 256, "rows_m", marks=pytest.mark.slow),
+    (9, 16, 2, 256, "rows_m smem")])
 def test_mha_matches_reference(q_len, heads, groups, dim, form):
   # Separate V tiles. The default picks "rows_n" for all four auto cases (at most 68 rows per
   # group); the last three force "rows_m" (Dv 128 and 256: two value halves of 64 and 128), the
