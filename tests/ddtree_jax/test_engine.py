@@ -400,7 +400,7 @@ def test_cancel_and_resize_keep_other_requests_lossless(model, prompts, referenc
   request takes that slot before the old step is read, and it and the others, moved between
   buckets, still decode exactly the greedy reference."""
   dec = engine.SpeculativeDecoder(model, make_drafter("noisy", prompts, reference[0]), policy="ddtree",
-                                  budgets=(8,), batch_buckets=(1, 2, 4), max_len=MAX_LEN, show_progress=False)
+                                  budgets=(8,), batch_buckets=(2, 4), max_len=MAX_LEN, show_progress=False)
   make = lambda i, n=MAX_NEW: dec.request(prompts[i], n, stop_token_ids=[])
   batch = engine.Batch(dec, 4)
   first = [make(0), make(1), make(2)]

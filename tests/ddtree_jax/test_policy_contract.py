@@ -69,9 +69,15 @@ def clean(setup):
   return run(setup, "chain")
 
 
+def all_three(t):
+  return other_root_token(shifted_positions(root_self_visibility(t)))
+
+
 # (Depth and padded rows' fields are rebuilt too: tests/ddtree_jax/test_tree.py checks every field.)
-@pytest.mark.parametrize("mutate", [root_self_visibility, shifted_positions, other_root_token],
-                         ids=lambda f: f.__name__)
+# The default run corrupts all three fields in one policy (one compiled step); each alone, which
+# names the field that leaked, runs under -m slow.
+@pytest.mark.parametrize("mutate", [all_three] + [pytest.param(m, marks=pytest.mark.slow) for m in (
+    root_self_visibility, shifted_positions, other_root_token)], ids=lambda f: f.__name__)
 def test_derived_fields_of_a_policy_tree_cannot_change_the_output(setup, clean, mutate):
   got = run(setup, corrupted(mutate))
   assert got.tokens == clean.tokens
