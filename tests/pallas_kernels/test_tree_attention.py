@@ -703,8 +703,10 @@ def test_live_split_counts_against_a_brute_force_search(lengths, ctas, launched,
              if live[i] <= live[j] and -(-live[i] // 64) < -(-live[j] // 64))
 
 
-@pytest.mark.parametrize("form,merge,groups", [("rows_n", "pairwise", 0), ("rows_m", "kernel", 0),
-                                               ("rows_n", "two_pass", 2)])
+# ("rows_n", "pairwise", 0): the same live-split kernel as ("rows_n", "two_pass", 2); the pairwise
+# merge's selection of unwritten splits: test_merges_select_unwritten_splits_away.
+@pytest.mark.parametrize("form,merge,groups", [pytest.param("rows_n", "pairwise", 0, marks=pytest.mark.slow),
+                                               ("rows_m", "kernel", 0), ("rows_n", "two_pass", 2)])
 def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypatch):
   # Options.live_splits: requests of 1, 5 and 15 live tiles in a pool of 16 launched splits get
   # 1, 5 and 15 splits. The results match the reference, and the CTAs of the other splits write
