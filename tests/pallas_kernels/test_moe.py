@@ -310,13 +310,12 @@ def test_sorted_expert_ids_give_the_same_result_and_are_checked():
   def sizes_form_must_not_run(*args, **kwargs):
     raise AssertionError("work_list(group_sizes) ran although the row ids were given and A <= E")
 
-  from_rows = []
+  from_rows, real_from_rows = [], moe.work_list_from_rows
 
   def spy(*args, **kwargs):
     from_rows.append(True)
     return real_from_rows(*args, **kwargs)
 
-  real_from_rows = moe.work_list_from_rows
   with pytest.MonkeyPatch.context() as patch:  # the unjitted body, so the patches are seen
     patch.setattr(moe, "work_list", sizes_form_must_not_run)
     patch.setattr(moe, "work_list_from_rows", spy)
