@@ -326,6 +326,15 @@ class KimiConfig:
     for hf_name, name in optional.items():
       if config.get(hf_name) is not None:
         fields[name] = config[hf_name]
+    if "n_shared_experts" in config and config["n_shared_experts"] is None:  # DeepSeek-V3's code: none
+      fields["n_shared_experts"] = 0
+    moe_layer_freq = config.get("moe_layer_freq", 1)
+    if moe_layer_freq != 1:  # DeepSeek-V3 makes only every moe_layer_freq-th layer MoE; Kimi has 1
+      raise ConfigError(f"config.json moe_layer_freq={moe_layer_freq!r}: only 1 (every layer from "
+                        "first_k_dense_replace on is MoE, as in DeepSeek-V3 and Kimi) is supported")
+    hidden_act = config.get("hidden_act", "silu")
+    if hidden_act != "silu":
+      raise ConfigError(f"config.json hidden_act={hidden_act!r}: only 'silu' (DeepSeek-V3/Kimi) is supported")
     if isinstance(fields.get("eos_token_id"), list):  # the first of several stop ids
       if not fields["eos_token_id"]:
         raise ConfigError("config.json eos_token_id is an empty list")
@@ -377,6 +386,8 @@ class KimiConfig:
         "model_type": "deepseek_v3",
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+        "moe_layer_freq": 1,
         "torch_dtype": self.param_dtype,
         "rope_scaling": {
             "type": "yarn",

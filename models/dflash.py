@@ -233,7 +233,10 @@ class DFlashConfig:
       raise ConfigError("config.json's dflash_config is not a dict")
 
     def pick(name):
-      return nested[name] if nested.get(name) is not None else config.get(name)
+      inner, outer = nested.get(name), config.get(name)
+      if inner is not None and outer is not None and inner != outer:  # which one a reader takes varies
+        raise ConfigError(f"config.json {name}={outer!r} and dflash_config.{name}={inner!r} disagree")
+      return inner if inner is not None else outer
 
     fields: dict[str, Any] = {}
     required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]

@@ -132,6 +132,8 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
       value = np.asarray(fetch(prefix + name))
     except KeyError:
       raise KeyError(f"checkpoint lacks tensor {prefix + name!r}") from None
+    if value.dtype.kind in "biu":  # integer bytes (raw FP8, a packed format) would load as numbers
+      raise ValueError(f"tensor {prefix + name!r} is {value.dtype}, expected floating-point weights")
     value = value.T if transpose else value
     if tuple(value.shape) != tuple(shape):
       raise ValueError(f"tensor {prefix + name!r} has shape {value.shape[::-1] if transpose else value.shape}, "
@@ -160,6 +162,13 @@ def load_hf_tensors(cfg: KimiConfig, get: Callable[[str], np.ndarray] | Mapping[
                          ("weight_scale", (out_features, in_features // int4.GROUP_SIZE))):
       if tensors[suffix].shape != want:
         raise ValueError(f"tensor {prefix + name + suffix!r} has shape {tensors[suffix].shape}, expected {want}")
+    # Checked here, one tensor at a time: stacking a layer's experts would promote a stray dtype.
+    if tensors["weight_packed"].dtype not in (np.int32, np.uint32):
+      raise ValueError(f"tensor {prefix + name}weight_packed is {tensors['weight_packed'].dtype}, expected int32 "
+                       "(eight 4-bit values a word, as compressed-tensors packs them)")
+    if tensors["weight_scale"].dtype.kind in "biu":
+      raise ValueError(f"tensor {prefix + name}weight_scale is {tensors['weight_scale'].dtype}, expected "
+                       "floating-point scales")
     return tensors["weight_packed"], tensors["weight_scale"]
 
   def has_tensor(name):

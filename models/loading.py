@@ -89,6 +89,9 @@ class ShardReader:
       weight_map = read_json(index).get("weight_map")
       if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: no weight_map object")
+      odd = next((name for name, file_name in weight_map.items() if not isinstance(file_name, str)), None)
+      if odd is not None:
+        raise CheckpointError(f"{index}: weight_map[{odd!r}] is {weight_map[odd]!r}, not a shard file name")
       self.weight_map = weight_map
     elif (self.directory / f"{prefix}.safetensors").exists():
       self.weight_map = {k: f"{prefix}.safetensors" for k in self._shard(f"{prefix}.safetensors").keys()}
@@ -154,6 +157,7 @@ def load_kimi(directory, **config_overrides) -> KimiModel:
         f"{directory}: {packed_elsewhere[0]}{f' (and {len(packed_elsewhere) - 1} more)' if len(packed_elsewhere) > 1 else ''} "
         "is INT4-packed; only the routed experts may be packed (K2.6's scheme: attention, dense and "
         "shared-expert layers and lm_head stay bf16; compare quantization_config's ignore list with K2.6's)")
+  _check_complete(reader, prefix, cfg)
   if not STRUCTURAL_OVERRIDES & set(config_overrides):  # else a deliberate partial load
     unknown = _unaccounted_tensors(reader.names(), prefix, hf_config, cfg)
     if unknown:  # checked by name before anything is read: a 600 GB load fails at once
@@ -169,6 +173,31 @@ def load_kimi(directory, **config_overrides) -> KimiModel:
 STRUCTURAL_OVERRIDES = frozenset({"num_hidden_layers", "n_routed_experts", "first_k_dense_replace", "n_shared_experts",
                                   "tie_word_embeddings"})
 _EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.\d+\.\w+)\.(weight|weight_packed|weight_scale|weight_shape)$")
+
+
+def _check_complete(reader: ShardReader, prefix: str, cfg: KimiConfig) -> None:
+  """Every tensor the model reads is in the index and every shard holding one exists, checked by name
+  before anything is read: a missing shard of a 600 GB checkpoint fails at once, not at its turn.
+  Routed experts count in the form the first MoE layer's first expert has (as the loader reads)."""
+  names = set(reader.names())
+  packed = f"{prefix}model.layers.{cfg.first_k_dense_replace}.mlp.experts.0.gate_proj.weight_packed" in names
+  stored = ("weight_packed", "weight_scale", "weight_shape") if packed else ("weight",)
+  wanted = []
+  for name in hf_io.hf_names(cfg):
+    expert = _EXPERT_TENSOR.match(name)
+    wanted += [f"{expert.group(1)}.{suffix}" for suffix in stored] if expert else [name]
+  wanted = [prefix + name for name in dict.fromkeys(wanted)]
+  missing = [name for name in wanted if name not in names]
+  if missing:
+    raise CheckpointError(
+        f"{reader.directory}: {len(missing)} tensors the model needs are not in the checkpoint "
+        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); is the index complete, and does "
+        "config.json match the weights?")
+  absent = [shard for shard in dict.fromkeys(reader.weight_map[name] for name in wanted)
+            if not (reader.directory / shard).is_file()]
+  if absent:
+    more = f" (and {len(absent) - 1} more shards)" if len(absent) > 1 else ""
+    raise FileNotFoundError(f"checkpoint shard {reader.directory / absent[0]} is missing{more}")
 
 
 def _unaccounted_tensors(names, prefix: str, hf_config: dict, cfg: KimiConfig) -> list[str]:

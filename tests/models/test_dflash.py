@@ -449,6 +449,10 @@ def test_bad_hf_configs_and_mismatched_targets_are_named(target, drafter_model):
     dflash.DFlashConfig.from_hf(dict(hf, rope_parameters={"rope_theta": 500.0}))
   with pytest.raises(ConfigError, match="layer_types: layer 1 is 'sliding_attention'"):
     dflash.DFlashConfig.from_hf(dict(hf, layer_types=["full_attention", "sliding_attention"]))
+  nested = dict(hf["dflash_config"], block_size=CFG.block_size * 2)
+  with pytest.raises(ConfigError, match=f"block_size={CFG.block_size} and dflash_config.block_size="
+                                        f"{CFG.block_size * 2} disagree"):
+    dflash.DFlashConfig.from_hf(dict(hf, dflash_config=nested))
   other = kimi.abstract_model(TARGET_CFG.replace(hidden_size=32))
   with pytest.raises(ConfigError, match="hidden_size=64 does not match the target's hidden_size=32"):
     dflash.DFlashDrafter.params(drafter_model, other)

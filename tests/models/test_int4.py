@@ -206,6 +206,24 @@ def test_int4_packed_tensors_outside_the_routed_experts_are_refused_by_name(tmp_
     loading.load_kimi(tmp_path, dtype="float32")
 
 
+def test_malformed_int4_expert_tensors_are_named(tmp_path):
+  """An expert missing one of its three tensors fails before anything is read; a weight_packed of
+  another integer width (which stacking a layer would silently promote) names the tensor."""
+  write_k26_style_checkpoint(tmp_path, KimiConfig.tiny(), seed=5)
+  path = tmp_path / "model.safetensors"
+  with safe_open(str(path), "np") as f:
+    tensors = {name: f.get_tensor(name) for name in f.keys()}
+  name = "language_model.model.layers.2.mlp.experts.6.up_proj."
+  save_file({k: v for k, v in tensors.items() if k != name + "weight_scale"}, str(path), metadata={"format": "pt"})
+  with pytest.raises(loading.CheckpointError, match=f"1 tensors the model needs are not in the checkpoint "
+                                                    f"\\({name}weight_scale\\)"):
+    loading.load_kimi(tmp_path, dtype="float32")
+  save_file({**tensors, name + "weight_packed": tensors[name + "weight_packed"].astype(np.int64)}, str(path),
+            metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=f"tensor {name}weight_packed is int64, expected int32"):
+    loading.load_kimi(tmp_path, dtype="float32")
+
+
 def test_int4_model_saves_in_the_real_format_and_round_trips(tmp_path):
   model = kimi.init_model(CFG, seed=2)
   loading.save_kimi(model, tmp_path, dtype="bfloat16")

@@ -345,6 +345,9 @@ def test_config_from_hf_plain_and_multimodal():
                             dtype=real.dtype, param_dtype=real.param_dtype) == int4_real
   with pytest.raises(ConfigError, match="only 'yarn'"):
     KimiConfig.from_hf({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
+  # DeepSeek-V3's code builds no shared expert where n_shared_experts is null; absent, the default (1).
+  assert KimiConfig.from_hf({**hf, "n_shared_experts": None}).n_shared_experts == 0
+  assert KimiConfig.from_hf({k: v for k, v in hf.items() if k != "n_shared_experts"}).n_shared_experts == 1
 
 
 def test_config_from_hf_latent_eps_and_transformers_v5_rope_parameters():
@@ -393,6 +396,8 @@ def test_config_from_hf_latent_eps_and_transformers_v5_rope_parameters():
     ({"eos_token_id": "0"}, "eos_token_id must be an int"),
     ({"n_shared_experts": "1"}, "n_shared_experts must be an int, got '1'"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2: only 1"),  # would make every other layer dense
+    ({"hidden_act": "gelu"}, "hidden_act='gelu': only 'silu'"),
 ])
 def test_malformed_hf_config_values_are_config_errors(change, message):
   """A config.json value of the wrong kind is a ConfigError naming the key, never a raw KeyError or

@@ -106,3 +106,41 @@ def test_a_deliberately_smaller_model_and_tied_heads_still_load(tmp_path, tensor
 def test_stored_dtype_reads_both_spellings(tmp_path, config, want):
   (tmp_path / "config.json").write_text(json.dumps(config))
   assert loading.stored_dtype(tmp_path) == want
+
+
+def test_missing_tensors_and_shards_are_named_before_anything_is_read(tmp_path, tensors, monkeypatch):
+  """A checkpoint lacking tensors (in the index) or shards (on disk) fails by name before the first
+  tensor is read, listing how many are missing, not when the loader reaches them; so does a tensor
+  missing from an INT4 expert's three."""
+  reads = []
+  real_call = loading.ShardReader.__call__
+  monkeypatch.setattr(loading.ShardReader, "__call__", lambda self, name: reads.append(name) or real_call(self, name))
+  write(tmp_path, tensors, CFG.to_hf())
+  index_path = tmp_path / "model.safetensors.index.json"
+  index = json.loads(index_path.read_text())
+  last = CFG.num_hidden_layers - 1
+  gone = [f"model.layers.{last}.mlp.experts.{CFG.n_routed_experts - 1}.down_proj.weight", "model.norm.weight"]
+  index_path.write_text(json.dumps({"weight_map": {k: v for k, v in index["weight_map"].items() if k not in gone}}))
+  with pytest.raises(loading.CheckpointError, match=f"2 tensors the model needs are not in the checkpoint "
+                                                    f"\\({gone[0]}, {gone[1]}\\)"):
+    loading.load_kimi(tmp_path)
+  assert reads == []
+  index_path.write_text(json.dumps(index))
+  shards = sorted(tmp_path.glob("model-*.safetensors"))
+  shards[-1].unlink()
+  shards[-2].unlink()
+  with pytest.raises(FileNotFoundError, match=f"checkpoint shard .*{shards[-2].name} is missing \\(and 1 more shards\\)"):
+    loading.load_kimi(tmp_path)
+  assert reads == []
+  index_path.write_text('{"weight_map": {"model.norm.weight": 7}}')
+  with pytest.raises(loading.CheckpointError, match="weight_map\\['model.norm.weight'\\] is 7, not a shard file name"):
+    loading.load_kimi(tmp_path)
+
+
+def test_integer_weights_are_refused_by_name(tmp_path, tensors):
+  """Integer bytes where float weights belong (a raw FP8 export, a packed tensor under a bf16 name)
+  would otherwise load as numbers."""
+  name = "model.layers.1.self_attn.q_b_proj.weight"
+  write(tmp_path, {**tensors, name: tensors[name].view(np.int32)}, CFG.to_hf())
+  with pytest.raises(ValueError, match=f"tensor '{name}' is int32, expected floating-point weights"):
+    loading.load_kimi(tmp_path)
