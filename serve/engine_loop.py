@@ -265,7 +265,7 @@ class EngineLoop:
         self.steps += 1
         if self.faults is not None:
           self.faults.before_step()
-        dispatched = batch.dispatch(self.budgets.budget_for(batch.num_running))
+        dispatched = batch.dispatch(self._budget(batch))
       except Exception as err:  # pylint: disable=broad-except
         step_error = err
     if self._pending is not None:
@@ -288,6 +288,17 @@ class EngineLoop:
     self._running = batch.num_running
     self.metrics.running.set(batch.num_running)
     self.metrics.free_slots.set(self.decoder.pool.free_slots)
+
+  def _budget(self, batch: engine.Batch) -> int:
+    """The table's budget for the running requests, counted within the bucket's compiled range.
+
+    A bucket is compiled for the budgets of (next smaller bucket, bucket] running requests. It is
+    chosen for the running and waiting requests before admission, which may take fewer of them
+    (the per-turn prefill limit, a failed admission): fewer running requests then run at the
+    budget of the smallest count the bucket serves rather than at one it was never compiled for.
+    """
+    smaller = max((b for b in self.decoder.batch_buckets if b < batch.bucket), default=0)
+    return self.budgets.budget_for(max(batch.num_running, smaller + 1))
 
   def _read_inbox(self, block: bool) -> None:
     try:

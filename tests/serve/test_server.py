@@ -428,6 +428,43 @@ def test_a_request_being_admitted_still_counts_against_the_queue(server, monkeyp
   assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
 
 
+def test_a_bucket_admitting_fewer_than_planned_runs_a_budget_it_was_compiled_for(server, monkeypatch):
+  """The bucket is chosen for the running and waiting requests, and admission may then take fewer
+  (here one prompt a turn): the step must still run at a budget compiled for that bucket. Under
+  "1:16,4:8,16:4" bucket 8 holds only budget 4, while 2 running requests would ask for 8."""
+  from ddtree_jax import engine as engine_lib
+  loop, rows = server.engine.loop, 8
+  wait_idle(server)
+  failures = metric(server.url, "ddtree_engine_failures_total")
+  entered, release = threading.Event(), threading.Event()
+  admit = engine_lib.Batch.admit
+
+  def first_admission_waits(batch, request):
+    entered.set()
+    release.wait(60)
+    return admit(batch, request)
+  monkeypatch.setattr(engine_lib.Batch, "admit", first_admission_waits)
+  monkeypatch.setattr(loop, "prefill_tokens_per_turn", 1)  # one prompt a turn
+  body = {"prompt": "def g():", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+  post = lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+  with cf.ThreadPoolExecutor(rows) as pool:
+    try:
+      first = pool.submit(post)
+      assert entered.wait(30)
+      rest = [pool.submit(post) for _ in range(rows - 1)]
+      deadline = time.monotonic() + 30  # all of them waiting, so the next turn plans bucket 8
+      while loop.snapshot()["queued"] < rows and time.monotonic() < deadline:
+        time.sleep(0.02)
+    finally:
+      monkeypatch.setattr(engine_lib.Batch, "admit", admit)
+      release.set()
+    replies = [first.result()] + [f.result() for f in rest]
+  assert [r.status_code for r in replies] == [200] * rows, [r.text for r in replies if r.status_code != 200]
+  assert {r.json()["choices"][0]["text"] for r in replies} == {replies[0].json()["choices"][0]["text"]}
+  assert metric(server.url, "ddtree_engine_failures_total") == failures
+  assert wait_idle(server)["free_slots"] == loop.decoder.num_slots
+
+
 def test_engine_fault_fails_only_its_step_and_the_server_goes_on(server):
   loop = server.engine.loop
   wait_idle(server)
