@@ -393,7 +393,7 @@ class EngineLoop:
           self._batch.cancel(request, reason="stop")
         # Report the tokens up to the one that completes the stop string: a step that emitted
         # several tokens past it (speculation) must not change what the client is told.
-        self._finish(job, text=text, reason="stop", num_tokens=self._tokens_through_stop(job.text, visible))
+        self._finish(job, text=text, reason="stop", num_tokens=job.text.tokens_through(visible, *job.text.stop_match))
       elif finished:
         self._finish(job, text=text, reason=request.finish_reason)
       elif text:
@@ -402,19 +402,6 @@ class EngineLoop:
   @staticmethod
   def _stop_ids(request: engine.Request) -> set:
     return set(request.stop_tokens[request.stop_valid].tolist())
-
-  @staticmethod
-  def _tokens_through_stop(stream: StreamText, ids) -> int:
-    """The fewest leading tokens of ``ids`` whose text holds the matched stop string."""
-    start, stop = stream.stop_match
-    lo, hi = 1, len(ids)  # decode(ids[:n]) holds the stop string for every n >= the answer
-    while lo < hi:
-      mid = (lo + hi) // 2
-      if stream.codec.decode(ids[:mid])[start:start + len(stop)] == stop:
-        hi = mid
-      else:
-        lo = mid + 1
-    return lo
 
   def _finish(self, job: Job, *, text: str = "", reason: str | None = None, error: str | None = None,
               num_tokens: int | None = None) -> None:

@@ -223,7 +223,7 @@ class StreamText:
       before = self.codec.decode(ids[self._prefix:self._read])
       self.text += window[len(before):]
       self._prefix, self._read = self._read, len(ids)
-    match = self._find_stop()
+    match = self._find_stop(ids)
     if match is not None:
       self.stopped, self.stop_match = True, match
       return self._take(match[0])
@@ -231,12 +231,29 @@ class StreamText:
       return self._take(len(self.text))
     return self._take(len(self.text) - self._held_back())
 
-  def _find_stop(self) -> tuple[int, str] | None:
-    """The earliest stop string in the text: (index, string), or None."""
+  def _find_stop(self, ids: Sequence[int]) -> tuple[int, str] | None:
+    """The stop string that a stream of one token a step would meet: (index in the text, string),
+    or None. Of the stop strings in the text, the one completed by the fewest tokens of ``ids``;
+    of those, the earliest. (The earliest alone is not enough: a step of several tokens can hold
+    a long stop string that starts first and a short one inside it that was complete tokens
+    earlier, and what a client sees must not depend on how many tokens a step accepted.)"""
     # A stop string may straddle earlier text: search from where the longest could start.
     start = max(0, self.sent - max((len(s) for s in self.stop_strings), default=0))
-    hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop_strings) if i >= 0]
-    return min(hits) if hits else None
+    hits = sorted((i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop_strings) if i >= 0)
+    if len(hits) > 1:
+      return min(hits, key=lambda hit: self.tokens_through(ids, *hit))  # stable: the earliest among ties
+    return hits[0] if hits else None
+
+  def tokens_through(self, ids: Sequence[int], start: int, stop: str) -> int:
+    """The fewest leading tokens of ``ids`` whose text holds ``stop`` at ``start``."""
+    lo, hi = 1, len(ids)  # decode(ids[:n]) holds it for every n >= the answer
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if self.codec.decode(ids[:mid])[start:start + len(stop)] == stop:
+        hi = mid
+      else:
+        lo = mid + 1
+    return lo
 
   def _held_back(self) -> int:
     """Length of the longest tail of the text that is a proper prefix of a stop string."""

@@ -56,6 +56,23 @@ def test_stop_string_ends_text_before_it_even_across_tokens(codec, step):
   assert got == text and not stream.stopped
 
 
+@pytest.mark.parametrize("stops", [("</answer>", "answer"), ("x = '</answer>", "</a", "nswer"), ("' + y", "wer>'")])
+def test_overlapping_stop_strings_end_the_text_as_one_token_a_step_would(codec, stops):
+  """Of several stop strings a step of many tokens completes, the one a stream of one token a step
+  would have met first ends the text: what a client sees (text, and tokens through the stop) must
+  not depend on how many tokens a speculative step accepted."""
+  ids = codec.encode("x = '</answer>' + y")
+  outcomes = set()
+  for step in range(1, len(ids) + 1):
+    got, stream = stream_all(codec, ids, stops=stops, step=step)
+    assert stream.stopped
+    outcomes.add((got, stream.stop_match, stream.tokens_through(ids, *stream.stop_match)))
+  assert len(outcomes) == 1, outcomes
+  (got, (start, stop), through), = outcomes
+  assert got == "x = '</answer>' + y"[:start] and codec.decode(ids[:through])[start:].startswith(stop)
+  assert stop not in codec.decode(ids[:through - 1])[start:]
+
+
 def test_prefix_of_a_stop_string_is_held_back_then_released(codec):
   ids = codec.encode("abc END")
   stream = StreamText(codec, ("ENDING",))
