@@ -375,25 +375,25 @@ class EngineLoop:
       if job is None or job.done:
         continue
       tokens = request.tokens
-      if len(tokens) > job.consumed:
-        if job.first_token_at is None:
-          job.first_token_at = now
-          if job.counted:
-            self.metrics.ttft.observe(now - job.arrival)
+      if len(tokens) > job.consumed and job.first_token_at is None:
+        job.first_token_at = now
         if job.counted:
-          self.metrics.generated_tokens.inc(len(tokens) - job.consumed)
-        job.consumed = len(tokens)
+          self.metrics.ttft.observe(now - job.arrival)
       finished = request.finished
       visible = tokens
       if finished and request.finish_reason == "stop" and tokens and tokens[-1] in self._stop_ids(request):
         visible = tokens[:-1]  # a stop id ends the text; its own text is not part of it
       text = job.text.push(visible, final=finished)
+      # Report the tokens up to the one that completes a stop string: a step that emitted several
+      # tokens past it (speculation) must not change what the client is told, or the metrics.
+      reported = job.text.tokens_through(visible, *job.text.stop_match) if job.text.stopped else len(tokens)
+      if job.counted and reported > job.consumed:
+        self.metrics.generated_tokens.inc(reported - job.consumed)
+      job.consumed = max(job.consumed, reported)
       if job.text.stopped:
         if not finished:
           self._batch.cancel(request, reason="stop")
-        # Report the tokens up to the one that completes the stop string: a step that emitted
-        # several tokens past it (speculation) must not change what the client is told.
-        self._finish(job, text=text, reason="stop", num_tokens=job.text.tokens_through(visible, *job.text.stop_match))
+        self._finish(job, text=text, reason="stop", num_tokens=reported)
       elif finished:
         self._finish(job, text=text, reason=request.finish_reason)
       elif text:

@@ -156,10 +156,13 @@ def test_stop_string_gives_the_same_tokens_and_usage_with_and_without_speculatio
   assert stops, text
   for stop in stops:
     replies = []
+    generated = metric(server.url, "ddtree_generated_tokens_total")
     for url in (plain_server[0], server.url):
       body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "stop": [stop], "return_token_ids": True}
       replies.append(httpx.post(url + "/v1/completions", json=body).json())
     (plain, spec) = replies
+    # The metric counts what the reply reports, not the tokens a step speculated past the stop.
+    assert metric(server.url, "ddtree_generated_tokens_total") - generated == spec["usage"]["completion_tokens"]
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"] == text[:text.find(stop)]
     assert spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
     assert spec["usage"] == plain["usage"] and spec["choices"][0]["finish_reason"] == "stop"
