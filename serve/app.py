@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serve import protocol
 from serve.config import Engine
@@ -178,7 +179,13 @@ class _Guard:
     except ApiError as err:
       await JSONResponse(err.body(), status_code=err.status)(scope, receive, send_counted)
     else:
-      await self.app(scope, receive, send_counted)
+      try:
+        await self.app(scope, receive, send_counted)
+      except Exception:
+        # Starlette's outermost middleware answers it (the handler for Exception: a 500), outside
+        # this one, so its response never passes through ``send_counted``.
+        status.setdefault("code", 500)
+        raise
     finally:
       if state.engine is not None and path.startswith("/v1/") and "code" in status:
         # Unknown paths share one label: clients must not be able to mint new series.
@@ -203,11 +210,14 @@ def protocol_parse(model, obj):
 async def _read_json(request: Request, limit: int) -> Any:
   """The body as JSON, read up to ``limit`` bytes (413 beyond, also without a Content-Length)."""
   chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-    chunks.append(chunk)
+  try:
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+      chunks.append(chunk)
+  except ClientDisconnect:  # nobody reads the answer; counted as 499, as a client gone mid-request
+    raise ApiError(499, "the client closed the connection before sending its whole body") from None
   raw = b"".join(chunks)
   try:
     obj = json.loads(raw, parse_constant=_reject_constant)

@@ -7,6 +7,7 @@ follows DESIGN's near-tie rule in float32 (1e-4), checked against plain greedy d
 
 import concurrent.futures as cf
 import json
+import logging
 import os
 import random
 import re
@@ -344,6 +345,36 @@ def test_edges_of_the_openai_surface(server):
   assert named.status_code == 400 and named.json()["error"]["param"] == "messages.0.name"
   full = httpx.post(chat, json={"messages": [{"role": "user", "content": "x " * 400}]})
   assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded", full.text
+
+
+def test_unexpected_errors_and_abandoned_bodies_are_counted_by_status(server, monkeypatch, caplog):
+  """A handler's unexpected exception is a 500 with OpenAI's body, counted in ddtree_requests_total;
+  a client that leaves while sending its body is a 499 (nobody reads it), not a logged error."""
+  requests_with = lambda status: metric(server.url, "ddtree_requests_total",
+                                        f'endpoint="/v1/completions",status="{status}"')
+  before = {status: requests_with(status) for status in (499, 500)}
+
+  def broken(_prompt):
+    raise RuntimeError("simulated bug")
+  monkeypatch.setattr(server.engine.codec, "completion_prompt", broken)
+  r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+  assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError: simulated bug"
+  assert r.json()["error"]["type"] == "server_error"
+  assert requests_with(500) - before[500] == 1
+  monkeypatch.undo()
+  caplog.clear()
+  host, port = server.url.removeprefix("http://").split(":")
+  for _ in range(2):
+    with socket.create_connection((host, int(port))) as conn:
+      conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+      time.sleep(0.2)
+  deadline = time.monotonic() + 10
+  while requests_with(499) - before[499] < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert requests_with(499) - before[499] == 2 and requests_with(500) - before[500] == 1
+  assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+  assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_api_key_body_limit_and_full_queue(server):
