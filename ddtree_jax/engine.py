@@ -368,8 +368,11 @@ class SpeculativeDecoder:
   def _build(self, key, fn, donate, *specs):
     """Compiles ``fn`` for ``specs`` ahead of time (or keeps it uncompiled when eager), float32
     models at full matmul precision (``forward.matmul_precision``)."""
-    if self.eager:
-      self._aux[key] = fn
+    if self.eager:  # run op by op, under the same precision as the compiled step
+      def eager_fn(*args):
+        with fwd.matmul_precision(self.cfg):
+          return fn(*args)
+      self._aux[key] = eager_fn
       return
     with fwd.matmul_precision(self.cfg):
       self._aux[key] = jax.jit(fn, donate_argnums=donate).lower(*specs).compile()

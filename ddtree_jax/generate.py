@@ -89,7 +89,7 @@ def main(argv=None) -> int:
   sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
   # A short prompt and few new tokens make a cache shorter than the engine's default prefill chunk.
   common = dict(batch_buckets=(1,), max_len=max_len, prefill_chunk=min(64, max_len),
-                compile_cache_dir=args.compile_cache_dir)
+                compile_cache_dir=args.compile_cache_dir, max_stop_tokens=max(1, len(stops)))
 
   try:
     spec = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), drafter_params,

@@ -279,11 +279,21 @@ def test_unseeded_requests_draw_fresh_seeds(model, prompts, reference):
   assert seeded[0] == seeded[1] == seeded[2]
 
 
-def test_jit_and_disable_jit_give_identical_tokens(model, prompts, reference):
+def test_jit_and_disable_jit_give_identical_tokens(model, prompts, reference, monkeypatch):
+  """Also under the same matmul precision: a float32 model's eager steps run at full precision too
+  (the GPU's float32 default, TF32, would part from the compiled steps; the CPU's would not, so
+  the setting is checked inside the steps)."""
   drafter = make_drafter("noisy", prompts, reference[0])
   compiled = decoder(model, drafter, "ddtree", (4,), 1).generate([prompts[1]], 10, stop_token_ids=[])
+  seen, propose = [], type(drafter).propose
+
+  def spy(self, *args, **kwargs):
+    seen.append(jax.config.jax_default_matmul_precision)
+    return propose(self, *args, **kwargs)
+  monkeypatch.setattr(type(drafter), "propose", spy)
   with jax.disable_jit():
     eager = decoder(model, drafter, "ddtree", (4,), 1, eager=True).generate([prompts[1]], 10, stop_token_ids=[])
+  assert model.cfg.dtype == "float32" and seen and set(seen) == {"highest"}, seen
   assert compiled.tokens == eager.tokens
   assert [s.accepted for s in compiled.steps] == [s.accepted for s in eager.steps]
   # Steps that accepted only the root, part of a path and a whole path of budget 4 (5 tokens).

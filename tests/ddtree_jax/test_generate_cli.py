@@ -96,8 +96,18 @@ def test_an_unreadable_checkpoint_is_a_usage_error_naming_the_file(capsys, tmp_p
   assert f"{shard.name}: not a readable safetensors file" in capsys.readouterr().err
 
 
-def test_policy_options_reach_the_policy(capsys):
-  """Also with the target's experts quantised on load (``--experts int4``, the bf16 demo checkpoint)."""
+def test_policy_options_reach_the_policy(capsys, monkeypatch):
+  """Also with the target's experts quantised on load (``--experts int4``, the bf16 demo checkpoint),
+  and with more stop ids than the engine's default room for them (a checkpoint listing five EOS ids:
+  special ids the demo model never emits, so the 8 tokens still come)."""
+  from serve.text import TextCodec
+  read_codec = TextCodec.from_model_dir
+
+  def five_stop_ids(*args, **kwargs):
+    codec = read_codec(*args, **kwargs)
+    codec.stop_ids = codec.stop_ids + (2, 3, 4, 5)
+    return codec
+  monkeypatch.setattr(TextCodec, "from_model_dir", five_stop_ids)
   code = generate.main(["--max-new-tokens", "8", "--policy", "beam", "--policy-option", "width=2", "--budget", "4",
                         "--prompt", "import os", "--no-compare", "--experts", "int4"])
   assert code == 0
