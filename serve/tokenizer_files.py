@@ -11,6 +11,8 @@ text), parsing encoding (for a chat template's rendering), decoding without spec
 ids by name. Encoding and decoding release the GIL in both libraries.
 """
 
+import base64
+import binascii
 import functools
 import json
 import os
@@ -94,14 +96,14 @@ class KimiTiktokenTokenizer:
 
   def __init__(self, ranks_path, special_names: dict[int, str] | None = None):
     import tiktoken  # pylint: disable=import-outside-toplevel
-    from tiktoken.load import load_tiktoken_bpe  # pylint: disable=import-outside-toplevel
-    try:
-      ranks = load_tiktoken_bpe(os.fspath(ranks_path))
-    except Exception as err:  # a malformed line: binascii.Error, ValueError, IndexError
-      raise TokenizerFileError(f"{ranks_path}: not a tiktoken BPE file ({type(err).__name__}: {err})") from None
+    ranks = read_ranks(ranks_path)
     num_base = len(ranks)
     if sorted(ranks.values()) != list(range(num_base)):
       raise TokenizerFileError(f"{ranks_path}: ranks must be 0..{num_base - 1}, each once")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # tiktoken's BPE starts from single bytes: encoding one it lacks panics (not an Exception)
+      raise TokenizerFileError(f"{ranks_path}: {len(missing)} of the 256 single bytes have no rank "
+                               f"(the first: {missing[0]:#04x}); every byte must be a token")
     special_names = dict(special_names or {})
     outside = sorted(i for i in special_names if not num_base <= i < num_base + NUM_RESERVED_SPECIAL_TOKENS)
     if outside:
@@ -148,6 +150,27 @@ class KimiTiktokenTokenizer:
     if name in self.special_ids:
       return self.special_ids[name]
     return self._ranks.get(name.encode("utf-8"))
+
+
+def read_ranks(path) -> dict[bytes, int]:
+  """A tiktoken BPE file's ranks (one ``base64(token bytes) rank`` line each), read from the file as
+  it is now. (``tiktoken.load.load_tiktoken_bpe`` caches every file it reads, local ones too, under a
+  key made from the path alone, in a shared temporary directory: a file replaced at the same path
+  would keep its old ranks.)"""
+  try:
+    lines = Path(path).read_bytes().splitlines()
+  except OSError as err:
+    raise TokenizerFileError(f"{path}: cannot be read ({err})") from None
+  ranks = {}
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      token, rank = line.split()
+      ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (ValueError, binascii.Error) as err:  # binascii.Error is a ValueError too
+      raise TokenizerFileError(f"{path}: line {number} is not 'base64(token) rank' ({err})") from None
+  return ranks
 
 
 def _pieces(text: str):

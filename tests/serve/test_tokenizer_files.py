@@ -137,7 +137,8 @@ BAD_FILES = [  # (special names, (file, text) written over the good ones, the er
     ({0: "[X]", 1: "[X]"}, None, "two special ids the same name"),
     ({0: "[BOS]", 5: ""}, None, "special id {base+5} with an empty string"),
     ({}, None, "needs added_tokens_decoder"),
-    (SPECIAL, ("tiktoken.model", "not base64! 0\n"), "tiktoken.model: not a tiktoken BPE file"),
+    (SPECIAL, ("tiktoken.model", "YQ== 0\nnot base64! 1\n"), "tiktoken.model: line 2 is not 'base64\\(token\\) rank'"),
+    (SPECIAL, ("tiktoken.model", "YQ== 0\nYg==\n"), "tiktoken.model: line 2 is not"),
     (SPECIAL, ("tiktoken.model", "YQ== 0\nYg== 2\n"), "ranks must be 0..1, each once"),
     (SPECIAL, ("tokenization_kimi.py", 'pat_str = "|".join([r"""\\p{L}+""", r"""\\s+"""])\n'),
      "pre-tokeniser pattern differs from Kimi's"),
@@ -152,6 +153,23 @@ def test_bad_kimi_tokenizer_files_are_named(tmp_path, ranks, special, overwrite,
   base = len(ranks)
   message = message.replace("{base+300}", str(base + 300)).replace("{base+5}", str(base + 5))
   with pytest.raises(tokenizer_files.TokenizerFileError, match=message):
+    tokenizer_files.load(directory)
+
+
+def test_tiktoken_ranks_are_read_from_the_file_as_it_is_now(tmp_path, ranks, monkeypatch):
+  """Not from tiktoken's cache, which keys local files by their path: a tokenizer replaced in place
+  is read anew. A file lacking a single byte's rank is refused (tiktoken would panic on that byte
+  at the first request, with an exception that is no Exception)."""
+  monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+  directory = write_kimi_tokenizer(tmp_path / "kimi", ranks)
+  assert tokenizer_files.load(directory).encode("a") == [ranks[b"a"]]
+  swapped = {**ranks, b"a": ranks[b"b"], b"b": ranks[b"a"]}
+  write_kimi_tokenizer(directory, swapped)
+  assert tokenizer_files.load(directory).encode("a") == [ranks[b"b"]]
+  without = [token for token, _ in sorted(ranks.items(), key=lambda kv: kv[1]) if token != bytes([0xC3])]
+  write_kimi_tokenizer(directory, {token: rank for rank, token in enumerate(without)})
+  with pytest.raises(tokenizer_files.TokenizerFileError, match="1 of the 256 single bytes have no rank "
+                                                               "\\(the first: 0xc3\\)"):
     tokenizer_files.load(directory)
 
 
