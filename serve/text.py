@@ -47,7 +47,8 @@ class TextCodec:
       needs the ``<|im_*|>`` special tokens in the vocabulary).
     eos_token_id: the model's end-of-sequence id (a default stop id).
     extra_stop_ids: more ids that end every request by default: the rest of a ``config.json``
-      ``eos_token_id`` list and ``tokenizer_config.json``'s ``eos_token`` (``from_model_dir``).
+      ``eos_token_id`` list, ``generation_config.json``'s and ``tokenizer_config.json``'s
+      ``eos_token`` (``from_model_dir``).
     bos_token_id: prepended to completion prompts when the model expects it (None: nothing).
   """
 
@@ -94,9 +95,12 @@ class TextCodec:
     bos = tok.token_to_id(special["bos_token"]) if config.get("add_bos_token") and special.get("bos_token") else None
     # KimiConfig keeps the first of a list of EOS ids; the others, and the tokenizer's own EOS
     # token, end a request too (a turn format whose end marker is not EOS would run on past it).
+    # generation_config.json's list is what transformers' generate() and vLLM stop at (for Kimi K2
+    # the end of a turn, where config.json names [EOS]).
     extra = []
-    if (directory / "config.json").exists():
-      extra += [i for i in eos_token_ids(loading.read_json(directory / "config.json")) if 0 <= i < tok.vocab_size]
+    for name in ("config.json", "generation_config.json"):
+      if (directory / name).exists():
+        extra += [i for i in eos_token_ids(loading.read_json(directory / name)) if 0 <= i < tok.vocab_size]
     if special.get("eos_token") and tok.token_to_id(special["eos_token"]) is not None:
       extra.append(tok.token_to_id(special["eos_token"]))
     codec = cls(tok, chat_template=template, eos_token_id=eos_token_id, bos_token_id=bos, special_tokens=special,

@@ -163,6 +163,11 @@ def test_checkpoint_config_forms(tmp_path, codec):
   (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": [0, 7, 10**9]}}))
   more = checkpoint_codec(tmp_path, codec, template, eos_token={"content": "<|im_end|>"})
   assert more.stop_ids == (0, 7, codec.token_to_id("<|im_end|>"))
+  # generation_config.json's EOS ids too (an int or a list), as generate() and vLLM stop at them.
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 0, -1]}))
+  assert checkpoint_codec(tmp_path, codec, template).stop_ids == (0, 7, 9)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+  assert checkpoint_codec(tmp_path, codec, template).stop_ids == (0, 7, 11)
   assert jinja.chat_prompt([Message("user", "a"), Message("user", "b")]) == (
       [bos, codec.token_to_id("<|im_user|>")] + codec.encode("a"))
 
