@@ -273,7 +273,8 @@ def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: b
                    "in all)", param="max_tokens" if len(prompt_ids) < context else "prompt",
                    code="context_length_exceeded")
   temperature = 1.0 if body.temperature is None else body.temperature
-  seed = body.seed if body.seed is not None else secrets.randbits(32)
+  # Draws are keyed by 32 bits: a 64-bit seed (negative ones too) is taken modulo 2**32.
+  seed = body.seed % 2**32 if body.seed is not None else secrets.randbits(32)
   top_k = body.top_k if body.top_k and body.top_k > 0 else 0
   try:
     request = eng.loop.decoder.request(prompt_ids, max_tokens, temperature=temperature, top_k=top_k,

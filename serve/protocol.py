@@ -77,8 +77,8 @@ class _Sampling(BaseModel):
       raise ApiError(400, f"top_k must be -1 or 0 (off) or a positive int32, got {self.top_k}", param="top_k")
     if self.n not in (None, 1):
       raise ApiError(400, f"n={self.n} is not supported: this server returns one choice per request", param="n")
-    if self.seed is not None and not 0 <= self.seed < 2**32:
-      raise ApiError(400, f"seed must lie in [0, 2**32), got {self.seed}", param="seed")
+    if self.seed is not None and not -2**63 <= self.seed < 2**63:  # OpenAI's range: any int64
+      raise ApiError(400, f"seed must be a 64-bit integer, got {self.seed}", param="seed")
     for name in ("presence_penalty", "frequency_penalty"):
       if getattr(self, name) not in (None, 0):
         raise ApiError(400, f"{name} is not supported (penalties would change the target's distribution per "

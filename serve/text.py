@@ -9,10 +9,14 @@ spellings *are* meant as ids; only the template's own text is parsed for them, n
 """
 
 import dataclasses
+import datetime
+import json
 import secrets
 from pathlib import Path
 from typing import Sequence
 
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
@@ -25,6 +29,7 @@ from serve import tokenizer_files
 #   <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>   per message, then
 #   <|im_assistant|>assistant<|im_middle|>                  to open the reply.
 CHAT_ROLES = ("system", "user", "assistant")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TextError(ValueError):
@@ -62,10 +67,14 @@ class TextCodec:
     self.vocab_size = self.backend.vocab_size
     self._template = None
     if chat_template is not None:
-      # As Hugging Face renders chat templates (loop controls: {% break %}, {% continue %}).
+      # The environment Hugging Face's apply_chat_template renders in, so that a checkpoint's
+      # template gives the prompt the model was trained on: loop controls, its {% generation %}
+      # tag, raise_exception, strftime_now, and a tojson that neither escapes HTML nor sorts keys.
       env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                         extensions=["jinja2.ext.loopcontrols"])
+                                                         extensions=["jinja2.ext.loopcontrols", _GenerationTag])
       env.globals["raise_exception"] = _raise_template_error
+      env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+      env.filters["tojson"] = _tojson
       self._template = env.from_string(chat_template)
     self._special_tokens = dict(special_tokens or {})
     # Spellings the template parser turns into special ids and the literal encoder does not: never
@@ -84,13 +93,18 @@ class TextCodec:
     tok = tokenizer_files.load(directory)
     config = tokenizer_files.read_tokenizer_config(directory)
     template = config.get("chat_template")
-    if isinstance(template, list):  # HF allows named templates; the default one serves chat
-      template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (directory / "chat_template.jinja").exists():  # where transformers >= 4.43 saves it
       template = (directory / "chat_template.jinja").read_text()
-    # Hugging Face writes these as strings or as AddedToken dicts ({"content": "<s>", ...}).
+    elif isinstance(template, list):  # HF allows named templates; the default one serves chat
+      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+      if not isinstance(named.get("default"), str):
+        raise TextError(f"{directory / 'tokenizer_config.json'}: chat_template lists templates "
+                        f"{sorted(map(str, named))} but none named 'default', which chat would use")
+      template = named["default"]
+    # Hugging Face writes these as strings or as AddedToken dicts ({"content": "<s>", ...}), and
+    # passes every one to the chat template.
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
-               if k in ("bos_token", "eos_token")}
+               if k in SPECIAL_TOKEN_KEYS}
     special = {k: v for k, v in special.items() if isinstance(v, str)}
     bos = tok.token_to_id(special["bos_token"]) if config.get("add_bos_token") and special.get("bos_token") else None
     # KimiConfig keeps the first of a list of EOS ids; the others, and the tokenizer's own EOS
@@ -166,7 +180,7 @@ class TextCodec:
     them; a template that does not insert contents verbatim cannot be split so, and is refused."""
     render = lambda contents: self._template.render(
         messages=[dict(dataclasses.asdict(m), content=c) for m, c in zip(messages, contents)],
-        add_generation_prompt=True, **self._special_tokens)
+        add_generation_prompt=True, tools=None, documents=None, **self._special_tokens)
     contents = [m.content for m in messages]
     if not any(word in c for c in contents for word in self._special_spellings):
       return self.backend.encode_parsing_special(render(contents))
@@ -194,6 +208,25 @@ class TextCodec:
     """``decode`` for a whole prompt, releasing the GIL while it runs (tokenizers' ``decode`` holds
     it, ~75 ms for a megabyte's ids); a stream's small windows keep ``decode``."""
     return self.backend.decode_long(ids)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+  """``{% generation %}...{% endgeneration %}`` (marks the assistant's text for training masks in
+  Hugging Face's renderer): here it renders its body unchanged."""
+
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
 
 
 def _raise_template_error(message):

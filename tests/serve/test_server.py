@@ -335,6 +335,12 @@ def test_edges_of_the_openai_surface(server):
   missing = httpx.get(server.url + "/v1/models/other")
   assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
   url = server.url + "/v1/completions"
+  # Any 64-bit seed, as OpenAI takes it, used modulo 2**32 (-1 and 2**32 - 1 draw alike).
+  sampled = lambda seed: httpx.post(url, json={"prompt": "import", "max_tokens": 8, "temperature": 1.0,
+                                               "seed": seed, "ignore_eos": True})
+  low, high = sampled(-1), sampled(2**32 - 1)
+  assert low.status_code == high.status_code == 200 and low.json()["choices"] == high.json()["choices"]
+  assert sampled(2**63).status_code == 400 and "seed must be a 64-bit integer" in sampled(2**63).text
   for raw in (b'{"prompt": "\\ud800abc", "max_tokens": 2}', b'{"prompt": "x", "model": "\\udfff"}',
               b'{"messages": [{"role": "user", "content": "\\udfff"}]}'):
     target = url if b"prompt" in raw else server.url + "/v1/chat/completions"

@@ -116,6 +116,25 @@ def test_checkpoint_jinja_template_is_rendered(tmp_path, codec):
                  + [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_assistant|>")])
 
 
+def test_checkpoint_templates_render_as_hugging_face_renders_them(tmp_path, codec):
+  """The names apply_chat_template gives a template: tools and documents (None: the server takes
+  neither), every special token of tokenizer_config.json, a tojson that keeps the text as it is
+  (json.dumps, not Jinja's HTML-escaping, key-sorting filter), strftime_now and the {% generation %}
+  tag; a list of named templates without a default one is refused rather than ignored."""
+  template = ("{% if tools is none and documents is none %}[none]{% endif %}{{ pad_token }}|{{ unk_token }}|"
+              "{% for m in messages %}{{ m | tojson }}{% generation %}<{{ m.content }}>{% endgeneration %}{% endfor %}"
+              "{{ strftime_now('%Y') | length }}")
+  jinja = checkpoint_codec(tmp_path, codec, template, pad_token="P", unk_token={"content": "U"})
+  text = "a<b> & 'c' é"
+  want = ("[none]P|U|" + json.dumps({"role": "user", "content": text}, ensure_ascii=False) + f"<{text}>4")
+  assert jinja.chat_prompt([Message("user", text)]) == codec.encode(want)
+  with pytest.raises(TextError, match="chat_template lists templates \\['tool_use'\\] but none named 'default'"):
+    checkpoint_codec(tmp_path, codec, [{"name": "tool_use", "template": template}])
+  named = checkpoint_codec(tmp_path, codec, [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}],
+                           pad_token="P", unk_token="U")
+  assert named.chat_prompt([Message("user", text)]) == codec.encode(want)
+
+
 def test_checkpoint_template_keeps_message_content_literal(tmp_path, codec):
   # A user's text spelling turn markers stays text under a checkpoint template too; the template's
   # own markers are ids. A template that changes contents cannot be split, so such a message is
