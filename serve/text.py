@@ -29,7 +29,6 @@ from serve import tokenizer_files
 #   <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>   per message, then
 #   <|im_assistant|>assistant<|im_middle|>                  to open the reply.
 CHAT_ROLES = ("system", "user", "assistant")
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TextError(ValueError):
@@ -59,7 +58,8 @@ class TextCodec:
 
   def __init__(self, tokenizer, *, chat_template: str | None, eos_token_id: int,
                bos_token_id: int | None = None, special_tokens: dict | None = None, extra_stop_ids=()):
-    self.backend = tokenizer_files.HFTokenizer(tokenizer) if isinstance(tokenizer, Tokenizer) else tokenizer
+    self.backend = (tokenizer_files.HFTokenizer(tokenizer, control_tokens=(special_tokens or {}).values())
+                    if isinstance(tokenizer, Tokenizer) else tokenizer)
     self.eos_token_id = eos_token_id
     # Every id that ends a request by default (the model's EOS first).
     self.stop_ids = tuple(dict.fromkeys([eos_token_id, *(int(i) for i in extra_stop_ids)]))
@@ -101,11 +101,7 @@ class TextCodec:
         raise TextError(f"{directory / 'tokenizer_config.json'}: chat_template lists templates "
                         f"{sorted(map(str, named))} but none named 'default', which chat would use")
       template = named["default"]
-    # Hugging Face writes these as strings or as AddedToken dicts ({"content": "<s>", ...}), and
-    # passes every one to the chat template.
-    special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
-               if k in SPECIAL_TOKEN_KEYS}
-    special = {k: v for k, v in special.items() if isinstance(v, str)}
+    special = tokenizer_files.named_special_tokens(config)  # Hugging Face passes each to the template
     bos = tok.token_to_id(special["bos_token"]) if config.get("add_bos_token") and special.get("bos_token") else None
     # KimiConfig keeps the first of a list of EOS ids; the others, and the tokenizer's own EOS
     # token, end a request too (a turn format whose end marker is not EOS would run on past it).

@@ -50,16 +50,39 @@ class TokenizerFileError(ValueError):
   """A checkpoint's tokenizer files are missing or inconsistent; the message names the file."""
 
 
-class HFTokenizer:
-  """``tokenizer.json`` through Hugging Face ``tokenizers``."""
+# Tokens that must never come from a user's text, whatever tokenizer.json says of them: the
+# turn markers of Kimi's format (the built-in template's) and tokenizer_config.json's named tokens.
+CHAT_MARKERS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-  def __init__(self, tokenizer: Tokenizer):
+
+def named_special_tokens(config: dict) -> dict[str, str]:
+  """tokenizer_config.json's named special tokens ({"bos_token": "<s>", ...}); Hugging Face writes
+  each as a string or as an AddedToken dict ({"content": "<s>", ...})."""
+  named = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items() if k in SPECIAL_TOKEN_KEYS}
+  return {k: v for k, v in named.items() if isinstance(v, str) and v}
+
+
+class HFTokenizer:
+  """``tokenizer.json`` through Hugging Face ``tokenizers``.
+
+  ``control_tokens``: spellings to treat as special even where tokenizer.json adds them as plain
+  tokens (some conversions do): literal encoding would match those in a user's text, which could
+  then forge a turn marker or an EOS. ``CHAT_MARKERS`` always are.
+  """
+
+  def __init__(self, tokenizer: Tokenizer, control_tokens=()):
     # Copies: the encode_special_tokens switch is the tokenizer's state, which tokenizer.json does
     # not keep, so the caller's object is left as it was.
-    self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+    spec = json.loads(tokenizer.to_str())
+    control = set(CHAT_MARKERS) | set(control_tokens)
+    for added in spec.get("added_tokens") or ():
+      if added.get("content") in control:
+        added["special"] = True
+    self.tokenizer = Tokenizer.from_str(json.dumps(spec))
     self.tokenizer.encode_special_tokens = True  # literal: special spellings stay text
-    self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    self.special_spellings = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values()
+    self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+    self.special_spellings = tuple(t.content for t in self.tokenizer.get_added_tokens_decoder().values()
                                    if t.special and t.content)
 
   def encode(self, text: str) -> list[int]:
@@ -194,7 +217,8 @@ def load(directory) -> HFTokenizer | KimiTiktokenTokenizer:
   ``tiktoken.model`` (special names from ``tokenizer_config.json``)."""
   directory = Path(directory)
   if (directory / "tokenizer.json").exists():
-    return HFTokenizer(Tokenizer.from_file(os.fspath(directory / "tokenizer.json")))
+    return HFTokenizer(Tokenizer.from_file(os.fspath(directory / "tokenizer.json")),
+                       control_tokens=named_special_tokens(read_tokenizer_config(directory)).values())
   if not (directory / "tiktoken.model").exists():
     raise FileNotFoundError(f"{directory} has neither tokenizer.json nor tiktoken.model (the server needs one "
                             "to read text)")
