@@ -12,6 +12,7 @@ line per logged step to ``--out/<name>_log.jsonl``.
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,10 +21,18 @@ import jax
 from flax import nnx
 
 from ddtree_jax.train import data, loop
+from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, kimi, loading
 from models.config import KimiConfig
 
-TARGET_PRESETS = {"demo": KimiConfig.demo, "tiny": lambda: KimiConfig.tiny(dtype="bfloat16", param_dtype="float32")}
+# Presets by the corpus's vocabulary size: the demo keeps its 8192 (the shipped tokenizer's), the
+# tiny model takes the corpus's (any tokenizer trained here has more than its 256 bytes).
+TARGET_PRESETS = {"demo": lambda vocab_size: KimiConfig.demo(),
+                  "tiny": lambda vocab_size: KimiConfig.tiny(vocab_size=vocab_size, dtype="bfloat16",
+                                                             param_dtype="float32")}
+# What a tokenizer trained here needs beside tokenizer.json to serve: documents start with
+# <|endoftext|> in the corpus, so prompts do too.
+EXPORT_TOKENIZER_CONFIG = {"add_bos_token": True, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 
 
 def demo_drafter_config(target_cfg: KimiConfig, mask_token_id: int = 1) -> dflash.DFlashConfig:
@@ -55,8 +64,8 @@ def _tc(args, prefix="") -> loop.TrainConfig:
 
 def run_target(args, tc: loop.TrainConfig, out: Path) -> tuple[kimi.KimiModel, dict]:
   from ddtree_jax.train import target as target_train  # pylint: disable=import-outside-toplevel
-  cfg = TARGET_PRESETS[args.preset]()
   dataset = data.TokenDataset(args.corpus, data.TRAIN, tc.seq_len, tc.batch_size, seed=tc.seed)
+  cfg = TARGET_PRESETS[args.preset](dataset.stream.manifest["vocab_size"])
   if dataset.stream.manifest["vocab_size"] > cfg.vocab_size:
     raise SystemExit(f"error: corpus vocabulary {dataset.stream.manifest['vocab_size']} exceeds the "
                      f"preset's {cfg.vocab_size}")
@@ -67,10 +76,17 @@ def run_target(args, tc: loop.TrainConfig, out: Path) -> tuple[kimi.KimiModel, d
   return model, summary
 
 
-def run_drafter(args, target: kimi.KimiModel, tc: loop.TrainConfig, out: Path, mask_token_id: int):
+def run_drafter(args, target: kimi.KimiModel, tc: loop.TrainConfig, out: Path, mask_token_id: int,
+                target_tokenizer=None):
   from ddtree_jax.train import drafter as drafter_train  # pylint: disable=import-outside-toplevel
   cfg = demo_drafter_config(target.cfg, mask_token_id)
   dataset = data.TokenDataset(args.corpus, data.TRAIN, tc.seq_len, tc.batch_size, seed=tc.seed + 1)
+  manifest = dataset.stream.manifest
+  if manifest["vocab_size"] > target.cfg.vocab_size:  # ids past the target's embedding read NaN
+    raise SystemExit(f"error: corpus vocabulary {manifest['vocab_size']} exceeds the target's {target.cfg.vocab_size}")
+  if target_tokenizer is not None and tokenizer_lib.tokenizer_sha256(target_tokenizer) != manifest["tokenizer_sha256"]:
+    raise SystemExit(f"error: the corpus {args.corpus} was tokenised by another tokenizer than the target's "
+                     "tokenizer.json (tokenizer_sha256 differs): the drafter would learn other tokens")
   model = dflash.init_dflash(cfg, tc.seed)
   summary = drafter_train.train_drafter(model, target, tc, dataset, out, num_anchors=args.anchors,
                                         show_progress=not args.no_progress)
@@ -89,6 +105,8 @@ def main(argv=None) -> int:
   p.add_argument("--preset", default="demo", choices=sorted(TARGET_PRESETS))
   _train_args(p, steps=3000, batch=64, seq=512, lr=3e-3, warmup=100)
   p.add_argument("--export", default=None, help="write the trained target here (HF layout)")
+  p.add_argument("--tokenizer", default=None, help="the corpus's tokenizer.json, copied into the export "
+                 "(the server needs it to read text; checked against the corpus)")
 
   p = sub.add_parser("drafter", help="train a DFlash drafter against a frozen target")
   p.add_argument("--target", required=True, help="target checkpoint directory or bundled name")
@@ -109,29 +127,65 @@ def main(argv=None) -> int:
   p.add_argument("--anchors", type=int, default=16)
   p.add_argument("--mask-token-id", type=int, default=1)
   p.add_argument("--name", default="kimi-demo", help="export names: NAME and NAME-dflash")
+  p.add_argument("--tokenizer", default=None, help="the corpus's tokenizer.json, copied into the target's "
+                 "export (the server needs it to read text; checked against the corpus)")
 
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv and argv[0] in ("tokenizer", "corpus"):
     (data.main_tokenizer if argv[0] == "tokenizer" else data.main_corpus)(argv[1:])
     return 0
   args = parser.parse_args(argv)
+  try:
+    return _run(args, argv, parser)
+  except (FloatingPointError, loop.RunMismatch) as err:  # a diverged run, or a resume with other settings
+    print(f"error: {err}", file=sys.stderr)
+    return 1
+
+
+def _export_target(model: kimi.KimiModel, directory, args) -> None:
+  loading.save_kimi(model, directory)
+  if getattr(args, "tokenizer", None):
+    shutil.copyfile(args.tokenizer, Path(directory) / "tokenizer.json")
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(EXPORT_TOKENIZER_CONFIG, indent=1) + "\n")
+
+
+def _check_tokenizer(args, parser) -> None:
+  """``--tokenizer`` is the corpus's, before any training (its copy is what the export serves with)."""
+  if not getattr(args, "tokenizer", None):
+    return
+  manifest = data.TokenStream(args.corpus, data.TRAIN).manifest
+  try:
+    sha = tokenizer_lib.tokenizer_sha256(tokenizer_lib.load_tokenizer(args.tokenizer))
+  except Exception as err:  # pylint: disable=broad-except  (a missing or unreadable file)
+    parser.error(f"--tokenizer {args.tokenizer}: {err}")
+  if sha != manifest["tokenizer_sha256"]:
+    parser.error(f"--tokenizer {args.tokenizer} is not the tokenizer {args.corpus} was built with")
+
+
+def _run(args, argv, parser) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  _check_tokenizer(args, parser)
   t0 = time.perf_counter()
   if args.command == "target":
     model, summary = run_target(args, _tc(args), out)
     if args.export:
-      loading.save_kimi(model, args.export)
+      _export_target(model, args.export, args)
     print(json.dumps(summary))
   elif args.command == "drafter":
-    target = loading.load_kimi(args.target, dtype="bfloat16", param_dtype="float32")
-    model, summary = run_drafter(args, target, _tc(args), out, args.mask_token_id)
+    target_dir = loading.resolve_model_dir(args.target)
+    target = loading.load_kimi(target_dir, dtype="bfloat16", param_dtype="float32")
+    tokenizer_file = target_dir / "tokenizer.json"
+    target_tokenizer = tokenizer_lib.load_tokenizer(tokenizer_file) if tokenizer_file.exists() else None
+    model, summary = run_drafter(args, target, _tc(args), out, args.mask_token_id, target_tokenizer)
     if args.export:
       loading.save_dflash(model, args.export)
     print(json.dumps(summary))
   else:
     target, target_summary = run_target(args, _tc(args), out)
-    loading.save_kimi(target, out / args.name)
+    _export_target(target, out / args.name, args)
+    # The drafter learns the target as it is served: its bf16 export, not the float32 weights in memory.
+    target = loading.load_kimi(out / args.name, dtype="bfloat16", param_dtype="float32")
     drafter_tc = _tc(args, prefix="drafter_")
     drafter, drafter_summary = run_drafter(args, target, drafter_tc, out, args.mask_token_id)
     loading.save_dflash(drafter, out / f"{args.name}-dflash")

@@ -5,10 +5,13 @@ random anchors per sequence, and one drafter forward in which every anchor's blo
 context strictly before its anchor and not the other blocks; position-weighted cross-entropy.
 """
 
+import dataclasses
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ddtree_jax.train import loop
@@ -46,6 +49,16 @@ def train_drafter(drafter: dflash.DFlashModel, target: kimi.KimiModel, tc: loop.
   train_step = lambda model, opt, batch: step_fn(target, model, opt, batch["tokens"], batch["step"])
   # Windows of seq_len tokens (the dataset's extra next-token column is not needed here).
   batch_at = lambda step: {"tokens": dataset.batch(step)[:, :tc.seq_len], "step": step}
+  identity = loop.run_identity(dflash_cfg, dataset, target={"config": dataclasses.asdict(target.cfg),
+                                                             "fingerprint": target_fingerprint(target)},
+                              anchors={"num_anchors": num_anchors})
   return loop.run_loop(name="drafter", tc=tc, model=drafter, optimizer=optimizer, train_step=train_step,
                        batch_at=batch_at, out_dir=out_dir, tokens_per_step=tc.batch_size * tc.seq_len,
-                       resume=resume, stop_at=stop_at, show_progress=show_progress)
+                       resume=resume, stop_at=stop_at, show_progress=show_progress, identity=identity)
+
+
+def target_fingerprint(target: kimi.KimiModel) -> str:
+  """A hash of a few of the target's weights (the final norm, the first rows of the embedding):
+  enough to tell a drafter's resumed run that its frozen target is another model."""
+  sample = (target.norm.weight[...], target.embed_tokens.embedding[...][:64])
+  return hashlib.sha256(b"".join(np.asarray(jax.device_get(x), np.float32).tobytes() for x in sample)).hexdigest()

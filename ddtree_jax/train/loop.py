@@ -50,14 +50,27 @@ class TrainConfig:
       raise ValueError(f"TrainConfig.learning_rate must be positive, got {self.learning_rate}")
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=max(tc.warmup_steps, 1),
+def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
+  if tc.warmup_steps == 0:  # the peak from the first step (a warm-up of one step would waste it)
+    return optax.cosine_decay_schedule(tc.learning_rate, decay_steps=tc.steps, alpha=tc.final_lr_ratio)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup_steps,
       decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.learning_rate * tc.final_lr_ratio)
-  # Norm weights and biases are not decayed (standard for transformers).
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def decayed(params):
+  """Which parameters weight decay applies to: matrices, not norm weights or biases (standard for
+  transformers). By name, not rank: a stack of layers makes every norm weight 2-D."""
+  def decays(path, p):
+    name = jax.tree_util.keystr(path)
+    return p.ndim >= 2 and "norm" not in name and "bias" not in name
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
-                     optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
+                     optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
+                                 mask=decayed))
 
 
 class Checkpointer:
@@ -123,9 +136,51 @@ def commit_state(*objs) -> None:
                                  state))
 
 
+class RunMismatch(ValueError):
+  """A resumed run whose settings differ from those its checkpoints were made with."""
+
+
+# TrainConfig fields a resumed run may change: they do not change what it computes.
+RESUMABLE_CHANGES = ("log_every", "checkpoint_every", "max_seconds")
+
+
+def _check_finite(name: str, metrics, step: int, checkpointer: "Checkpointer") -> None:
+  """Stops a run whose loss is not finite before it checkpoints (or exports) NaN weights."""
+  loss = float(np.asarray(jax.device_get(metrics["loss"])))
+  if not np.isfinite(loss):
+    raise FloatingPointError(
+        f"{name}: the loss is {loss} at step {step}; stopped without saving (the newest checkpoint: step "
+        f"{checkpointer.latest_step()}). Check the corpus against the model (token ids past its vocabulary, "
+        "another tokenizer) and the learning rate.")
+
+
+def _check_resumable(checkpointer: "Checkpointer", record: dict) -> None:
+  """Refuses to resume checkpoints made with other settings (``record``); records them for a new run."""
+  path = checkpointer.directory / "run.json"
+  if path.exists() and checkpointer.latest_step() is not None:
+    saved = json.loads(path.read_text())
+    changed = sorted(f"{group}.{key}: {saved.get(group, {}).get(key)!r} -> {value!r}"
+                     for group, values in record.items() for key, value in values.items()
+                     if saved.get(group, {}).get(key) != value)
+    if changed:
+      raise RunMismatch(f"{checkpointer.directory} holds a run with other settings ({'; '.join(changed)}); "
+                        "resume it with its own settings or start the new run in another --out")
+  else:
+    path.write_text(json.dumps(record, indent=1, sort_keys=True))
+
+
+def run_identity(model_cfg, dataset, **more) -> dict:
+  """What a run's result depends on beside its TrainConfig: the model's configuration and the
+  corpus (its tokenizer's hash, vocabulary and training tokens), plus ``more``."""
+  manifest = getattr(getattr(dataset, "stream", None), "manifest", None) or {}
+  corpus = {"tokenizer_sha256": manifest.get("tokenizer_sha256"), "vocab_size": manifest.get("vocab_size"),
+            "train_tokens": manifest.get("splits", {}).get("train", {}).get("num_tokens")}
+  return {"model": dataclasses.asdict(model_cfg), "corpus": corpus, **more}
+
+
 def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callable, batch_at: Callable[[int], dict],
              out_dir, tokens_per_step: int, resume: bool = True, after_step: Callable | None = None,
-             stop_at: int | None = None, show_progress: bool = True) -> dict:
+             stop_at: int | None = None, show_progress: bool = True, identity: dict | None = None) -> dict:
   """The shared loop: resume, step, log, checkpoint, stop on step count or wall clock.
 
   Args:
@@ -134,12 +189,20 @@ def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callab
     after_step: optional ``(model, metrics) -> None`` hook (for example expert-bias balancing).
     stop_at: stop (and checkpoint) after this step, as an interrupted run would; the schedule
       still follows ``tc.steps``, so a resumed run continues exactly.
+    identity: what else the run's result depends on ({"model": {...}, "corpus": {...}}, JSON
+      values), kept with its checkpoints beside ``tc``: resuming with any of it changed is refused
+      (``RunMismatch``), as is resuming with other optimisation settings.
   Returns:
     a summary dict (steps, final loss, wall time, tokens/s).
+  Raises:
+    FloatingPointError where the loss stops being finite (before any checkpoint of that state).
   """
   out_dir = Path(out_dir)
   checkpointer = Checkpointer(out_dir / f"{name}_checkpoints")
   log = RunLog(out_dir, name)
+  record = {"train": {k: v for k, v in dataclasses.asdict(tc).items() if k not in RESUMABLE_CHANGES},
+            **(identity or {})}
+  _check_resumable(checkpointer, json.loads(json.dumps(record)))
   start = 0
   if resume and checkpointer.latest_step() is not None:
     start = checkpointer.restore(model, optimizer)
@@ -151,13 +214,14 @@ def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callab
   losses = []
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   bar = tqdm(range(start, end), desc=name, initial=start, total=tc.steps, disable=not show_progress)
-  done = start
+  done, metrics = start, None
   for step in bar:
     metrics = train_step(model, optimizer, batch_at(step))
     if after_step is not None:
       after_step(model, metrics)
     done = step + 1
     if done % tc.log_every == 0 or done == end:
+      _check_finite(name, metrics, done, checkpointer)
       metrics_host = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
       now = time.perf_counter()
       tok_s = tokens_per_step * (done - last_log_step) / max(now - last_log_t, 1e-9)
@@ -167,6 +231,7 @@ def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callab
       log.write({"step": done, "tokens_per_s": tok_s, "wall_s": now - t0,
                  **{k: v for k, v in metrics_host.items() if np.ndim(v) == 0}})
     if done % tc.checkpoint_every == 0:
+      _check_finite(name, metrics, done, checkpointer)
       checkpointer.save(done, model, optimizer)
     if tc.max_seconds is not None and time.perf_counter() - t0 > tc.max_seconds:
       log.write({"event": "time limit", "step": done})
@@ -174,6 +239,8 @@ def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callab
   jax.block_until_ready(nnx.state(model))
   wall = time.perf_counter() - t0
   if checkpointer.latest_step() != done:
+    if metrics is not None:
+      _check_finite(name, metrics, done, checkpointer)
     checkpointer.save(done, model, optimizer)
   checkpointer.close()
   summary = {"name": name, "steps": done, "wall_s": wall, "final_loss": losses[-1] if losses else None,

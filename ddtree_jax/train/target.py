@@ -77,7 +77,7 @@ def train_target(model: kimi.KimiModel, tc: loop.TrainConfig, dataset, out_dir, 
       name="target", tc=tc, model=model, optimizer=optimizer, train_step=train_step,
       batch_at=lambda step: {"tokens": dataset.batch(step)}, out_dir=out_dir,
       tokens_per_step=tc.batch_size * tc.seq_len, resume=resume, after_step=after_step, stop_at=stop_at,
-      show_progress=show_progress)
+      show_progress=show_progress, identity=loop.run_identity(model.cfg, dataset))
   if "value" in last_load:
     summary["expert_load"] = np.asarray(jax.device_get(last_load["value"])).tolist()
   return summary

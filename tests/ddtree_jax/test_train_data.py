@@ -279,3 +279,40 @@ def test_held_out_prompts_come_from_held_out_files(corpus, files, tok):
   assert all(any(d[4:4 + prompt_tokens] == p for d in eligible) for p in shifted)
   with pytest.raises(ValueError):
     D.held_out_prompts(corpus, len(eligible) + 1, prompt_tokens, min_continuation)
+
+
+# The training command line: what it refuses before any step runs, and what an export carries.
+
+
+def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(corpus, tokenizer_path, tmp_path, capsys):
+  """A drafter corpus with ids past the target's vocabulary (its embedding would read NaN) or made by
+  another tokenizer than the target's is refused; so is a --tokenizer that did not make the corpus.
+  An exported target carries the corpus's tokenizer, which the server reads; the tiny preset takes
+  the corpus's vocabulary."""
+  import json
+  from ddtree_jax.train import __main__ as train_cli
+  from models import kimi, loading
+  from models.config import KimiConfig
+  from serve.text import TextCodec
+  vocab = D.read_manifest(corpus)["vocab_size"]
+  assert train_cli.TARGET_PRESETS["tiny"](vocab).vocab_size == vocab > KimiConfig.tiny().vocab_size
+  drafter = ["drafter", "--corpus", str(corpus), "--out", str(tmp_path / "run"), "--steps", "2", "--warmup", "0",
+             "--no-progress", "--target"]
+  small = tmp_path / "small"
+  loading.save_kimi(kimi.init_model(KimiConfig.tiny(), seed=0), small)
+  with pytest.raises(SystemExit, match=f"corpus vocabulary {vocab} exceeds the target's 256"):
+    train_cli.main(drafter + [str(small)])
+  exported = tmp_path / "exported"
+  args = type("Args", (), {"tokenizer": str(tokenizer_path)})()
+  train_cli._export_target(kimi.init_model(KimiConfig.tiny(vocab_size=vocab), seed=0), exported, args)
+  codec = TextCodec.from_model_dir(exported, eos_token_id=0, chat=False)
+  assert codec.encode("def f():") == T.load_tokenizer(tokenizer_path).encode("def f():").ids
+  assert codec.completion_prompt("x")[0] == 0  # documents begin with <|endoftext|> in the corpus
+  other = json.loads((loading.resolve_model_dir("kimi-demo") / "tokenizer.json").read_text())
+  (exported / "tokenizer.json").write_text(json.dumps(other))
+  with pytest.raises(SystemExit, match="tokenised by another tokenizer than the target's tokenizer.json"):
+    train_cli.main(drafter + [str(exported)])
+  with pytest.raises(SystemExit) as exit_info:
+    train_cli.main(["target", "--corpus", str(corpus), "--out", str(tmp_path / "t"), "--tokenizer",
+                    str(exported / "tokenizer.json")])
+  assert exit_info.value.code == 2 and "is not the tokenizer" in capsys.readouterr().err

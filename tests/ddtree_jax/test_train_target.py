@@ -1,9 +1,12 @@
 """Target pre-training: loss goes down, expert balancing moves the bias, checkpoints resume exactly,
 and exported safetensors reload to identical logits. Tiny config, CPU."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from ddtree_jax.train import loop, target
@@ -65,6 +68,10 @@ def test_checkpoint_restore_gives_identical_params_and_next_step(tmp_path):
   optimizer = nnx.Optimizer(model_c, loop.make_optimizer(tc), wrt=nnx.Param)
   assert loop.Checkpointer(tmp_path / "b" / "target_checkpoints").restore(model_c, optimizer) == 3
   jax.tree.map(np.testing.assert_array_equal, params_of(model_c), saved)
+  # Resuming those checkpoints with other settings (here the learning rate) is refused by name.
+  with pytest.raises(loop.RunMismatch, match="train.learning_rate: 0.005 -> 0.001"):
+    target.train_target(kimi.init_model(CFG, seed=5), dataclasses.replace(tc, learning_rate=1e-3), data,
+                        tmp_path / "b", show_progress=False)
   model_d = kimi.init_model(CFG, seed=5)
   target.train_target(model_d, tc, data, tmp_path / "b", show_progress=False)  # resumes at step 3
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-6), params_of(model_d), params_of(model_a))
@@ -84,3 +91,37 @@ def test_exported_safetensors_reload_to_identical_logits(tmp_path):
   rounded = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)),
                          params_of(model)["embed_tokens"])
   jax.tree.map(np.testing.assert_array_equal, params_of(half)["embed_tokens"], rounded)
+
+
+def test_weight_decay_spares_every_norm_weight_and_warmup_zero_starts_at_the_peak():
+  """Three AdamW steps of zero gradients move only decayed weights: every matrix, no norm weight
+  (stacked layers make those 2-D, so rank alone would decay them)."""
+  model = kimi.init_model(CFG, seed=0)
+  tc = loop.TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, weight_decay=0.5)
+  optimizer = nnx.Optimizer(model, loop.make_optimizer(tc), wrt=nnx.Param)
+  before = jax.tree_util.tree_flatten_with_path(params_of(model))[0]
+  zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+  for _ in range(3):
+    optimizer.update(model, zeros)
+  after = dict(jax.tree_util.tree_flatten_with_path(params_of(model))[0])
+  moved = {jax.tree_util.keystr(path): not np.array_equal(value, after[path]) for path, value in before
+           if path in after and np.issubdtype(value.dtype, np.floating)}
+  norms = {name: m for name, m in moved.items() if "norm" in name}
+  assert len(norms) >= 5 and not any(norms.values()), norms  # per-layer and final norms
+  assert all(m for name, m in moved.items() if "kernel" in name or "experts_" in name), moved
+  schedule = loop.learning_rate_schedule(tc)
+  assert float(schedule(0)) == pytest.approx(1e-2) and float(schedule(10)) == pytest.approx(1e-3)
+  warm = loop.learning_rate_schedule(dataclasses.replace(tc, warmup_steps=2))
+  assert [float(warm(i)) for i in (0, 1, 2)] == pytest.approx([0.0, 5e-3, 1e-2])
+
+
+def test_a_run_whose_loss_stops_being_finite_stops_before_it_checkpoints(tmp_path):
+  model = kimi.init_model(CFG, seed=0)
+  tc = loop.TrainConfig(steps=8, batch_size=4, seq_len=24, warmup_steps=1, log_every=100, checkpoint_every=2)
+  optimizer = nnx.Optimizer(model, loop.make_optimizer(tc), wrt=nnx.Param)
+  step_fn = lambda model, optimizer, batch: {"loss": jnp.float32(np.nan if batch["step"] >= 3 else 1.0)}
+  with pytest.raises(FloatingPointError, match="the loss is nan at step 4; stopped without saving "
+                                               "\\(the newest checkpoint: step 2\\)"):
+    loop.run_loop(name="toy", tc=tc, model=model, optimizer=optimizer, train_step=step_fn,
+                  batch_at=lambda step: {"step": step}, out_dir=tmp_path, tokens_per_step=1, show_progress=False)
+  assert loop.Checkpointer(tmp_path / "toy_checkpoints").latest_step() == 2
