@@ -239,7 +239,9 @@ def work_list(group_sizes, num_rows: int, block_rows: int, sorted_expert_ids=Non
   r = block_rows
   w_max = max_work_items(e, num_rows, r)
   last_window = padded_rows(num_rows, r) - r
-  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)  # a negative count is no rows
+  # A negative count is no rows; more than A is A (rows past A are cut anyway, and counts near
+  # 2**31 would wrap the prefix sums).
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, num_rows)
   slots = jnp.where(sizes > 0, (sizes + ROW_ALIGN - 1 + r - 1) // r, 0)
   experts = jnp.arange(e, dtype=jnp.int32)
   upto = experts[None, :] <= experts[:, None]  # [E, E']: e' <= e
@@ -343,7 +345,7 @@ class SlotItem(NamedTuple):
   block_start: jax.Array
 
 
-def slot_item(sizes, w, *, block_rows: int, last_window: int):
+def slot_item(sizes, w, *, block_rows: int, last_window: int, num_rows: int):
   """Item slot ``w`` of ``work_list(sizes, ...)`` by one unrolled pass over the experts' counts
   (``sizes``: int32[E], a ref or an array): (``SlotItem``, the list's ``num_slots``, the rows'
   end before any cut at A). The same arithmetic as ``work_list``, on scalars, so that it runs in
@@ -353,7 +355,7 @@ def slot_item(sizes, w, *, block_rows: int, last_window: int):
   expert = jnp.int32(-1)
   hit_slot_start = hit_start = hit_size = jnp.int32(0)
   for e in range(sizes.shape[0]):
-    size = jnp.maximum(sizes[e], 0)
+    size = jnp.clip(sizes[e], 0, num_rows)  # as work_list reads the counts
     # Unsigned (size >= 0): a shift where R is a power of two.
     slots = lax.div((size + (ROW_ALIGN - 1 + r - 1)).astype(jnp.uint32), jnp.uint32(r)).astype(jnp.int32)
     slots = jnp.where(size > 0, slots, 0)
@@ -391,7 +393,8 @@ def work_list_from_rows(sorted_expert_ids, num_experts: int, block_rows: int) ->
   w_max = max_work_items(num_experts, a, r)
   last_window = padded_rows(a, r) - r
   rows = jnp.arange(a, dtype=jnp.int32)
-  ascending = jnp.all(ids[1:] >= ids[:-1])
+  # A negative id is a caller's error: no rows are routed (zeros out), as work_list does.
+  ascending = jnp.all(ids[1:] >= ids[:-1]) & jnp.all(ids >= 0)
   routed = (ids < num_experts) & ascending
   # Row a's run of equal ids (its expert's rows): [row_start, row_end).
   row_start = jnp.sum(ids[None, :] < ids[:, None], axis=1, dtype=jnp.int32)
@@ -956,7 +959,7 @@ def _grouped_kernel(x, work_expert, block_start, weights, *, fuse_silu: bool, cf
 
     if in_kernel_list:
       g = lax.axis_index("w")
-      find = functools.partial(slot_item, sizes_ref, block_rows=r, last_window=last_window)
+      find = functools.partial(slot_item, sizes_ref, block_rows=r, last_window=last_window, num_rows=num_rows)
       first, total_slots, total_rows = find(g)  # the pass for the program's first slot gives the totals
 
       @pl.when(writes_list & (g == 0))

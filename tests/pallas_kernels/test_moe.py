@@ -293,6 +293,9 @@ def test_work_list_from_rows_equals_work_list(num_experts, num_rows, block_rows)
       assert not np.asarray(bad.routed).any() and (np.asarray(bad.expert) == -1).all(), (row, wrong)
       for field in ("first_row", "num_rows", "block_start", "row_column", "num_slots"):
         assert not np.asarray(getattr(bad, field)).any(), (row, wrong, field)
+    # A negative id in the sorted ids alone (it sorts first): no row is routed, as above.
+    negative = from_rows(jnp.asarray(np.concatenate([[-1], ids[1:]]).astype(np.int32)), num_experts, block_rows)
+    assert not np.asarray(negative.routed).any() and (np.asarray(negative.expert) == -1).all()
 
 
 def test_sorted_expert_ids_give_the_same_result_and_are_checked():
@@ -873,22 +876,25 @@ def test_slot_item_equals_work_list_slot_by_slot():
   # The in-kernel work list's scalar pass against the jnp list, every slot, counts negative and
     # summing past A included, R a power of two or not.
   rng = np.random.default_rng(61)
-  for trial in range(8):  # trial 0: a negative count and counts past A; 5: negative; 7: past A
+  for trial in range(8):  # trial 0: a negative count and counts past A; 5: negative; 7: past A; 3: near 2**31
     e, a, r = int(rng.integers(1, 12)), int(rng.integers(1, 80)), int(rng.choice([16, 32, 48, 64]))
     sizes = rng.multinomial(a, np.ones(e + 1) / (e + 1))[:e].astype(np.int32)
     if trial % 5 == 0:
       sizes[0] = -3
     if trial % 7 == 0:
       sizes[-1] += 9
+    if trial == 3:
+      sizes[-1] = 2**31 - 8
     work = jax.jit(moe.work_list, static_argnums=(1, 2))(jnp.asarray(sizes), a, r)  # as the model runs it
     last_window = moe.padded_rows(a, r) - r
     # Every slot at once (the same scalar arithmetic, vectorised over w; op by op it takes minutes).
-    slots = jax.jit(jax.vmap(lambda w: moe.slot_item(jnp.asarray(sizes), w, block_rows=r, last_window=last_window)))
+    slots = jax.jit(jax.vmap(lambda w: moe.slot_item(jnp.asarray(sizes), w, block_rows=r, last_window=last_window,
+                                                     num_rows=a)))
     item, num_slots, rows = slots(jnp.arange(work.expert.shape[0], dtype=jnp.int32))
     for got, want in zip(item, (work.expert, work.first_row, work.num_rows, work.block_start)):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{sizes}, A = {a}, R = {r}")
     assert (np.asarray(num_slots) == int(work.num_slots[0])).all()
-    assert (np.asarray(rows) == int(np.maximum(sizes, 0).sum())).all()
+    assert (np.asarray(rows) == int(np.clip(sizes, 0, a).sum())).all()
 
 
 def kernel_list_case(rng, fmt, case):
@@ -1053,11 +1059,12 @@ def test_quantize_round_trip_error_is_half_a_step():
   assert err.max() > 0  # really quantised
 
 
-@pytest.mark.parametrize("sizes", [[10, 0, 20, 30, 0, 5], [50, 0, 0, 0, 0, 3], [10, -4, 20, 0, 0, 2]])
+@pytest.mark.parametrize("sizes", [[10, 0, 20, 30, 0, 5], [50, 0, 0, 0, 0, 3], [10, -4, 20, 0, 0, 2],
+                                   [5, 2**31 - 8, 10, 0, 0, 0]])
 def test_group_sizes_past_the_rows_or_negative_are_cut(sizes):
   # Traced counts cannot raise: a negative one is no rows, and groups summing past A are cut at A,
   # as if group_sizes had been clipped first (a negative count used to shift every later expert's
-  # rows: 1.2x max|ref| off).
+  # rows: 1.2x max|ref| off; a count near 2**31 wrapped the prefix sums, and no row was routed).
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((40, H)), jnp.bfloat16)
   experts = random_weights(3)
