@@ -19,9 +19,11 @@ def num_sms() -> int:
 
 def interpret_params(interpret, name: str = "interpret"):
   """None (the GPU) or Mosaic GPU interpret-mode params; True (the usual Pallas idiom) takes their
-  defaults. Anything else is a TypeError naming ``name``."""
+  defaults and False means the GPU. Anything else is a TypeError naming ``name``."""
   if interpret is True:
     return plgpu.InterpretGPUParams()
+  if interpret is False:  # also the usual Pallas spelling for "compiled"
+    return None
   if interpret is not None and not isinstance(interpret, plgpu.InterpretGPUParams):
     raise TypeError(f"{name} must be None (GPU), True or plgpu.InterpretGPUParams, got {interpret!r}")
   return interpret

@@ -472,8 +472,11 @@ class TileConfig:
   split_k: bool = False
 
   def __post_init__(self):
-    if self.block_k < 16 or (self.chunk_k is not None and self.chunk_k % self.block_k):
-      raise ValueError(f"TileConfig: block_k={self.block_k} must be >= 16 and divide chunk_k={self.chunk_k}")
+    if self.block_k < 16 or self.block_k % 16 or (self.chunk_k is not None and self.chunk_k % self.block_k):
+      raise ValueError(f"TileConfig: block_k={self.block_k} must be a positive multiple of 16 (the MMA's K step) "
+                       f"and divide chunk_k={self.chunk_k}")
+    if self.stages < 2:  # one stage cannot load a step while the MMAs read the last
+      raise ValueError(f"TileConfig: stages={self.stages} must be >= 2")
     if self.split_k and self.chunk_k is None:
       raise ValueError("TileConfig: split_k needs chunk_k (the chunks each program takes)")
 
@@ -764,7 +767,10 @@ def _weight_dims(weights, bk: int):
     # Over the padded K: its words and scales past K are zero, and so is x (zero-filled loads).
     return is_int4, num_experts, n_out, flat_weights, pl.cdiv(words * 8, bk), _swizzle_elems(k_in)
   num_experts, k_in, n_out = weights[0].shape
-  return is_int4, num_experts, n_out, list(weights), pl.cdiv(k_in, bk), _swizzle_elems(k_in, n_out, TILE_N)
+  atom = _swizzle_elems(k_in, n_out, TILE_N)
+  if bk % atom:  # a step's tile must be whole swizzle atoms of the input features
+    raise ValueError(f"block_k={bk} must be a multiple of {atom}, the swizzle atom of {k_in} input features")
+  return is_int4, num_experts, n_out, list(weights), pl.cdiv(k_in, bk), atom
 
 
 class KernelWork(NamedTuple):
@@ -1208,9 +1214,9 @@ def _check_inputs(x_sorted, group_sizes, experts):
   if not (eg == eu == ed == e) or not (hg == hu == hd == h) or not (ig == iu == id_):
     raise ValueError(f"expert shapes gate {shapes[0]}, up {shapes[1]}, down {shapes[2]} (as E, in, out) do "
                      f"not match x_sorted [A={a}, H={h}] and group_sizes [E={e}]")
-  if h % 8 or ig % 8:
-    raise ValueError(f"hidden {h} and intermediate {ig} sizes must be multiples of 8 (16-byte rows for "
-                     "the bulk copy engine)")
+  if h % 16 or ig % 16:
+    raise ValueError(f"hidden {h} and intermediate {ig} sizes must be multiples of 16 (the smallest bf16 "
+                     "swizzle atom of the shared-memory tiles)")
   return a, h, ig, e
 
 

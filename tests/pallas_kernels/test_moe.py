@@ -970,7 +970,14 @@ def test_chunk_options_are_checked():
     moe.TileConfig(64, 4, split_k=True)
   with pytest.raises(ValueError, match="divide chunk_k"):
     moe.TileConfig(64, 4, chunk_k=96)
+  with pytest.raises(ValueError, match="block_k=24 must be a positive multiple of 16"):
+    moe.TileConfig(24, 4)
+  with pytest.raises(ValueError, match="stages=1 must be >= 2"):
+    moe.TileConfig(64, 1)
   x, sizes, experts, _ = chunk_case("bf16", seed=57)
+  narrow = moe.KernelTiles(gate_up=moe.TileConfig(16, 4), down=moe.TileConfig(128, 4))
+  with pytest.raises(ValueError, match=f"block_k=16 must be a multiple of 32, the swizzle atom of {H} input"):
+    moe.moe_experts(x, jnp.asarray(sizes), experts, per_row=False, tiles=narrow, interpret=False)
   with pytest.raises(ValueError, match="item_programs"):
     moe.moe_experts(x, jnp.asarray(sizes), experts, per_row=False, item_programs=0, interpret=INTERPRET)
 
