@@ -368,6 +368,10 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
     raise ValueError(f"unknown merge {options.merge!r}")
   if options.live_splits not in (True, False, "auto"):
     raise ValueError(f"live_splits must be True, False or 'auto', got {options.live_splits!r}")
+  if options.reduction_scratch and (options.reduction_scratch < REDUCTION_SCRATCH_BYTES
+                                    or options.reduction_scratch % 1024):
+    raise ValueError(f"Options.reduction_scratch must be 0 (as much as helps and fits) or a multiple of 1024 "
+                     f"bytes of at least {REDUCTION_SCRATCH_BYTES}, got {options.reduction_scratch}")
   if partial_dtype not in ("auto", "float32", "bfloat16"):
     raise ValueError(f"partial_dtype must be 'auto', 'float32' or 'bfloat16', got {partial_dtype!r}")
   auto_partials = partial_dtype == "auto"
@@ -454,6 +458,9 @@ def plan(*, q_len: int, heads_per_group: int, num_work: int, key_dims, value_dim
                                 epilogue="registers",
                                 live_splits=_live_splits_on(options, num_work, num_splits))
   spare = SMEM_BUDGET - _smem_bytes(rt, key_width, value_width, num_words, num_stages)
+  if options.reduction_scratch > spare + REDUCTION_SCRATCH_BYTES:
+    raise ValueError(f"Options.reduction_scratch={options.reduction_scratch} does not fit beside this plan's "
+                     f"buffers (at most {spare + REDUCTION_SCRATCH_BYTES} bytes)")
   scratch = options.reduction_scratch or max(
       REDUCTION_SCRATCH_BYTES, min(rt * 128, (spare + REDUCTION_SCRATCH_BYTES) // 1024 * 1024))
   return Plan(rows_per_tile=rt, num_row_tiles=num_row_tiles, swizzle=swizzle,
@@ -1402,6 +1409,7 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
   if cache_len < 1:
     raise ValueError(f"{name}: cache_len must be positive, got {cache_len}")
+  _check_call(name, widths={}, scale=1.0, num_splits=num_splits, interpret=None)  # as the calls check it
   padded_len = padded_cache_len(cache_len)
   # The row tiles do not depend on the partial dtype; "auto" is planned as for bf16 queries so
   # that options which need bf16 partials (epilogue="smem") are accepted as the call accepts them.
@@ -1458,6 +1466,8 @@ def prepare_mha_window(slots, prefix_len, visibility, valid, *, heads: int, kv_h
                        options=None) -> WindowMeta:
   """``prepare_mla_window`` for ``mha_tree_attention``: N query heads over G = ``kv_heads``
   K/V heads of width D = ``head_dim`` in a pool of ``cache_len`` columns."""
+  if kv_heads < 1:
+    raise ValueError(f"prepare_mha_window: kv_heads is {kv_heads}; the kernel needs at least one")
   if heads % kv_heads:
     raise ValueError(f"prepare_mha_window: query heads {heads} not a multiple of kv heads "
                      f"{kv_heads}")
@@ -1717,6 +1727,31 @@ def _check_window(name, slots, prefix_len, visibility, valid, batch, q_len):
       raise TypeError(f"{name}: {arg} must be an integer array, got {x.dtype}")
 
 
+def _check_ranges(name, slots, prefix_len, valid, *, num_slots: int, cache_len: int):
+  """The traced preconditions, checked where the values are concrete (a direct call, not one
+  under jit): 0 <= slots < S and, for a request's real rows q, 0 <= prefix_len and
+  prefix_len + q < T (padded rows may lie past the pool: a last prefill chunk). Out of range, the
+  kernel's result would differ from the reference's silently (zeros for a slot past the pool, the
+  padding of the pool's length attended past T)."""
+  if any(isinstance(x, jax.core.Tracer) for x in (slots, prefix_len, valid)):
+    return
+  slots, prefix_len, valid = np.asarray(slots), np.asarray(prefix_len), np.asarray(valid)
+  bad = np.flatnonzero((slots < 0) | (slots >= num_slots))
+  if bad.size:
+    raise ValueError(f"{name}: slots[{bad[0]}] = {slots[bad[0]]} is not a slot of the pool's {num_slots}")
+  if not valid.size:
+    return
+  real = valid.any(axis=1)
+  last_real = valid.shape[1] - 1 - np.argmax(valid[:, ::-1], axis=1)  # where real: its last real row
+  bad = np.flatnonzero(real & ((prefix_len < 0) | (prefix_len + last_real >= cache_len)))
+  if bad.size:
+    b = bad[0]
+    if prefix_len[b] < 0:
+      raise ValueError(f"{name}: prefix_len[{b}] = {prefix_len[b]} is negative")
+    raise ValueError(f"{name}: prefix_len[{b}] = {prefix_len[b]} puts its real window row {last_real[b]} past the "
+                     f"pool's {cache_len} columns (0 <= prefix_len + q < {cache_len} for every real row q)")
+
+
 def _check_call(name, *, widths: dict, scale, num_splits, interpret):
   """Checks what the kernel cannot take and returns ``interpret`` as interpret-mode params:
   zero widths or pool sizes, a traced or non-finite ``scale`` (static: it is compiled in), a
@@ -1744,8 +1779,9 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
                        rows_per_tile=None, options=None, window_meta=None):
   """Absorbed-MLA tree attention over one layer's latent cache pool (Mosaic GPU kernel).
 
-  Same contract as ``reference.mla_tree_attention``. Preconditions on traced values (not
-  checked): 0 <= slots < S; for real rows prefix_len >= 0 and prefix_len + Q <= T. A padded row
+  Same contract as ``reference.mla_tree_attention``. Preconditions, checked only where the values
+  are concrete (not under jit): 0 <= slots < S; prefix_len >= 0 and prefix_len + q < T for
+  every real row q. A padded row
   whose own column lies past the pool sees nothing and is 0; an empty batch, window or head axis
   gives an empty result.
 
@@ -1785,6 +1821,7 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
   interpret = _check_call(name, widths=dict(R=latent, P=rope, S=c_kv.shape[0], T=c_kv.shape[1]), scale=scale,
                           num_splits=num_splits, interpret=interpret)
+  _check_ranges(name, slots, prefix_len, valid, num_slots=c_kv.shape[0], cache_len=c_kv.shape[1])
   if not batch * q_len * heads:
     return jnp.zeros((batch, q_len, heads, latent), jnp.float32)
   # Value width is a wgmma M dimension (multiple of 64); key widths are contraction dims.
@@ -1834,6 +1871,7 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   _check_window(name, slots, prefix_len, visibility, valid, batch, q_len)
   interpret = _check_call(name, widths=dict(D=dim, G=groups, S=k.shape[0], T=k.shape[1]), scale=scale,
                           num_splits=num_splits, interpret=interpret)
+  _check_ranges(name, slots, prefix_len, valid, num_slots=k.shape[0], cache_len=k.shape[1])
   if not batch * q_len * heads:
     return jnp.zeros((batch, q_len, heads, dim), jnp.float32)
   rep = heads // groups

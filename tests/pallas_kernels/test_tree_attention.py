@@ -915,6 +915,26 @@ def test_bad_inputs_raise_clear_errors():
     jax.jit(lambda s: ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=s))(1.0)
   with pytest.raises(TypeError, match="interpret must be None"):
     ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=1.0, interpret="cpu")
+  # Slots and lengths out of range, where concrete (under jit they are the caller's precondition):
+  # the kernel would give zeros for a slot past the pool, or attend its padding past T.
+  for slot in (2, -1):
+    with pytest.raises(ValueError, match=f"slots\\[0\\] = {slot} is not a slot of the pool's 2"):
+      ta.mla_tree_attention(q, qr, c_kv, k_pe, jnp.array([slot]), *window[1:], scale=1.0)
+  for prefix, message in ((98, "puts its real window row 2 past the pool's 100 columns"), (-1, "is negative")):
+    with pytest.raises(ValueError, match=f"prefix_len\\[0\\] = {prefix} {message}"):
+      ta.mha_tree_attention(jnp.zeros((1, 3, 2, 64)), jnp.zeros((2, 100, 1, 64)), jnp.zeros((2, 100, 1, 64)),
+                            window[0], jnp.array([prefix]), *window[2:], scale=1.0)
+  padded = ta.mla_tree_attention(q, qr, c_kv, k_pe, window[0], jnp.array([98]), window[2],
+                                 jnp.zeros((1, 3), bool), scale=1.0, interpret=True)  # no real rows: allowed
+  assert not np.asarray(padded).any()
+  with pytest.raises(ValueError, match="reduction_scratch must be 0 .* got 1000"):
+    ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=1.0, options=ta.Options(reduction_scratch=1000))
+  with pytest.raises(ValueError, match="reduction_scratch=1048576 does not fit"):
+    ta.mla_tree_attention(q, qr, c_kv, k_pe, *window, scale=1.0, options=ta.Options(reduction_scratch=2**20))
+  with pytest.raises(ValueError, match="kv_heads is 0"):
+    ta.prepare_mha_window(*window, heads=2, kv_heads=0, head_dim=64, cache_len=100)
+  with pytest.raises(ValueError, match="num_splits=0 must be an int >= 1"):
+    ta.prepare_mla_window(*window, heads=2, latent_dim=64, rope_dim=32, cache_len=100, num_splits=0)
   # Empty batches, windows and head axes give empty results, as the reference does.
   for b, q_len, heads in ((0, 3, 2), (1, 0, 2), (1, 3, 0)):
     empty = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b, q_len, q_len), bool),
