@@ -1,4 +1,4 @@
-"""Command-line generation with speculative decoding (the main job until the server lands).
+"""Command-line generation with speculative decoding, checked against plain decoding of the target.
 
     python -m ddtree_jax.generate                        # the bundled demo pair, a code prompt
     python -m ddtree_jax.generate --prompt "import os" --policy chain --budget 8 --max-new-tokens 96
