@@ -156,9 +156,12 @@ def _check_policy_tree(drafted, policy, budget: int, batch: int):
     if shape != want:
       raise EngineError(f"policy {name!r} returned {field} of shape {shape} at budget {budget}; a tree has "
                         f"[batch, budget + 1] = {list(want)} rows (pad unused rows with valid=False)")
-    ok = dtype == jnp.bool_ if kind == "bool" else (dtype is not None and jnp.issubdtype(dtype, jnp.integer))
+    # Narrower integers would wrap token ids silently (lossless still, but nothing accepted).
+    ok = dtype == jnp.bool_ if kind == "bool" else (
+        dtype is not None and jnp.issubdtype(dtype, jnp.integer) and jnp.dtype(dtype).itemsize >= 4)
     if not ok:
-      raise EngineError(f"policy {name!r} returned {field} of dtype {dtype}; expected {kind}")
+      raise EngineError(f"policy {name!r} returned {field} of dtype {dtype}; expected "
+                        f"{'bool' if kind == 'bool' else 'int32 (or another integer of 32 bits or more)'}")
   return drafted
 
 

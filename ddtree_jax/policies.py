@@ -17,6 +17,7 @@ path lexicographic); scores accumulate parent-first (``score_child = score_paren
 
 Adding a policy takes a few lines, e.g. a tree of the top-2 tokens at depth 1 only::
 
+  import jax
   import jax.numpy as jnp
   from ddtree_jax import policies, tree
 
@@ -62,8 +63,10 @@ def register_policy(name, *, replace: bool = False):
 
   def register(fn):
     old = _POLICIES.get(name)
-    rerun = old is not None and (getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (
-        getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
+    # Only named definitions can be told apart so (partials and callable objects have no qualname).
+    qualname = getattr(fn, "__qualname__", None)
+    rerun = old is not None and isinstance(qualname, str) and (
+        getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (getattr(fn, "__module__", None), qualname)
     if old is not None and not (replace or rerun):
       raise ValueError(f"policy {name!r} is already registered (by {getattr(old, '__module__', '?')}."
                        f"{getattr(old, '__qualname__', '?')}); pass replace=True to replace it")
@@ -124,7 +127,7 @@ def check_inputs(name, ids, logprobs, budget, needed, *, root_tokens=None, start
   if k < needed:
     raise ValueError(
         f"{name}: budget={budget} can select rank {needed - 1} at a position but only k={k} "
-        f"candidates were given; hand over k >= {needed}")
+        f"candidates were given; hand over k >= {needed} (the engine hands k = its largest budget)")
 
 
 def _max_depth(max_depth, batch, n_levels):
@@ -328,8 +331,8 @@ def prior_rank_paths(num_paths=128, max_depth=15, top1=0.8):
   Returns:
     tuple of ``num_paths`` rank tuples.
   """
-  # Ranks past 8 have prior below top1 * 0.2**8 and never make a short list of useful paths.
-  n_ranks = min(num_paths, 8)
+  # Every rank a list of num_paths paths could use (a flat prior, small top1, reaches far ranks).
+  n_ranks = num_paths
   log_prior = np.log(top1 * (1.0 - top1) ** np.arange(n_ranks)).astype(np.float32)
   rows = np.broadcast_to(log_prior, (max_depth, n_ranks))
   return tuple(ddtree_heap_reference(rows, num_paths))

@@ -56,6 +56,7 @@ def load_policy_module(source: str) -> tuple:
   if path is not None and not path.is_file():
     raise ValueError(f"policy module {source!r}: no such file")
   before = set(policies.available_policies())
+  registry = dict(policies._POLICIES)  # pylint: disable=protected-access
   try:
     if path is None:
       importlib.import_module(module_name)
@@ -69,8 +70,9 @@ def load_policy_module(source: str) -> tuple:
         del sys.modules[module_name]
         raise
   except Exception as err:
-    for name in set(policies.available_policies()) - before:  # a half-imported module's policies
-      del policies._POLICIES[name]  # pylint: disable=protected-access
+    # A half-imported module's policies go, and any it replaced (replace=True) come back.
+    policies._POLICIES.clear()  # pylint: disable=protected-access
+    policies._POLICIES.update(registry)  # pylint: disable=protected-access
     raise ValueError(f"policy module {source!r} failed to import: {type(err).__name__}: {err}") from err
   # New names, and those of a module some earlier import had already run (its policies are
   # registered, so the registry did not change now).
@@ -92,6 +94,10 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
                            "(numbers, true/false, lists) or else taken as a string; may be given more than once")
 
 
+def _no_constant(name):
+  raise ValueError(f"{name} is not a number an option can take")
+
+
 def parse_options(pairs) -> dict:
   """``["width=4", "name=x"]`` -> ``{"width": 4, "name": "x"}``: each value as JSON, else the string."""
   options = {}
@@ -102,9 +108,11 @@ def parse_options(pairs) -> dict:
     if name in options:
       raise ValueError(f"--policy-option {name} given twice")
     try:
-      options[name] = json.loads(text)
+      options[name] = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError:
       options[name] = text
+    except ValueError as err:
+      raise ValueError(f"--policy-option {pair!r}: {err}") from None
   return options
 
 

@@ -237,6 +237,16 @@ def test_default_rank_paths():
   assert paths_out[1] == _token_paths(ids[1], [p for p in paths if len(p) <= 3][:64])
 
 
+def test_prior_rank_paths_reach_every_rank_a_flat_prior_uses():
+  """The DDTree of the rank prior for any top1, against the heap reference over every rank: with a
+  flat prior (small top1) far ranks beat deep paths (a cut at 8 ranks gave another tree)."""
+  for top1, num_paths, depth in ((0.3, 40, 2), (0.5, 128, 3), (0.8, 64, 4)):
+    rows = np.broadcast_to(np.log(top1 * (1 - top1) ** np.arange(num_paths)).astype(np.float32), (depth, num_paths))
+    want = tuple(P.ddtree_heap_reference(rows, num_paths))
+    assert P.prior_rank_paths(top1=top1, num_paths=num_paths, max_depth=depth) == want
+  assert max(r for path in P.prior_rank_paths(top1=0.3, num_paths=40, max_depth=2) for r in path) >= 8
+
+
 def test_registry():
   assert {"ddtree", "beam", "chain", "static"} <= set(P.available_policies())
   with pytest.raises(ValueError, match="unknown policy 'nope'.*ddtree"):
@@ -267,6 +277,11 @@ def test_reregistering_the_same_definition_replaces_it(monkeypatch):
     P.register_policy("cell_policy")(other)
   P.register_policy("cell_policy", replace=True)(other)
   assert P.get_policy("cell_policy")(None, None, None, None, 0) == "other"
+  # Partials (and other callables without a qualified name) are never "the same definition".
+  P.register_policy("wide_beam")(functools.partial(P.beam, width=2))
+  with pytest.raises(ValueError, match="'wide_beam' is already registered"):
+    P.register_policy("wide_beam")(functools.partial(P.beam, width=8))
+  assert P.get_policy("wide_beam").keywords == {"width": 2}
 
 
 def test_register_custom_policy(monkeypatch):

@@ -149,11 +149,16 @@ def int_valid(t):
   return dataclasses.replace(t, valid=t.valid.astype(jnp.int32))
 
 
+def int8_tokens(t):  # token ids would wrap: nothing accepted, silently
+  return dataclasses.replace(t, tokens=t.tokens.astype(jnp.int8))
+
+
 @pytest.mark.parametrize("mutate, message", [
     (as_tuple, "policy 'as_tuple' returned tuple, not a tree.Tree"),
     (one_row_more, "policy 'one_row_more' returned tokens of shape \\(2, 8\\) at budget 6; a tree has "
                    "\\[batch, budget \\+ 1\\] = \\[2, 7\\]"),
-    (float_parents, "policy 'float_parents' returned parents of dtype float32; expected integer"),
+    (float_parents, "policy 'float_parents' returned parents of dtype float32; expected int32"),
+    (int8_tokens, "policy 'int8_tokens' returned tokens of dtype int8; expected int32 \\(or another integer of 32"),
     (int_valid, "policy 'int_valid' returned valid of dtype int32; expected bool"),
 ], ids=lambda x: getattr(x, "__name__", "message"))
 def test_a_malformed_tree_is_refused_naming_the_policy(setup, mutate, message):

@@ -86,6 +86,23 @@ def test_a_module_failing_after_registering_takes_its_policies_back(tmp_path):
     with pytest.raises(ValueError, match="failed to import: RuntimeError: later"):
       policy_modules.load_policy_module(str(path))
     assert "half_chain" not in policies.available_policies()
+  # A policy it replaced before failing (replace=True) comes back as it was.
+  chain = policies._POLICIES["chain"]  # pylint: disable=protected-access
+  path.write_text("from ddtree_jax import policies\n"
+                  "policies.register_policy('chain', replace=True)(lambda *a, **k: None)\n"
+                  "raise RuntimeError('later')\n")
+  policy_modules._LOADED.clear()  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="failed to import: RuntimeError: later"):
+    policy_modules.load_policy_module(str(path))
+  assert policies._POLICIES["chain"] is chain  # pylint: disable=protected-access
+
+
+def test_policy_options_are_json_without_nan_or_infinity():
+  assert policy_modules.parse_options(["width=4", "name=x", "ranks=[1, 2]"]) == {
+      "width": 4, "name": "x", "ranks": [1, 2]}
+  for text in ("NaN", "Infinity", "-Infinity"):
+    with pytest.raises(ValueError, match=f"--policy-option 'floor={text}': {text} is not a number"):
+      policy_modules.parse_options([f"floor={text}"])
 
 
 def test_the_server_offers_module_policies_as_spec(tmp_path, capsys):
