@@ -1,6 +1,7 @@
 """What every training run shares: the optimizer, orbax checkpoints with resume, progress and logs."""
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -68,6 +69,14 @@ def decayed(params):
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with the schedule, clipping and decay mask of ``tc``. Runs whose optimisation settings
+  are equal get the same object, so that their compiled steps (the optimizer is part of the step's
+  static structure) are shared within a process."""
+  return _optimizer(dataclasses.replace(tc, seed=0, log_every=1, checkpoint_every=1, max_seconds=None))
+
+
+@functools.cache
+def _optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
                      optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
                                  mask=decayed))

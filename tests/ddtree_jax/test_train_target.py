@@ -15,6 +15,9 @@ from models import kimi, loading
 from models.config import KimiConfig
 
 CFG = KimiConfig.tiny(dtype="bfloat16", param_dtype="float32")
+# One optimisation for the tests that train (the schedule is part of the compiled step: one compile).
+TC = loop.TrainConfig(steps=12, batch_size=4, seq_len=24, learning_rate=1e-2, warmup_steps=2, log_every=4,
+                      checkpoint_every=100)
 
 
 class FixedBatch:
@@ -34,9 +37,7 @@ def test_loss_decreases_and_bias_balances(tmp_path):
   data = FixedBatch()
   before, _ = target.next_token_loss(model, jnp.asarray(data.tokens))
   bias_before = np.asarray(model.moe_layers.mlp.e_score_correction_bias[...]).copy()
-  tc = loop.TrainConfig(steps=12, batch_size=4, seq_len=24, learning_rate=1e-2, warmup_steps=2, log_every=4,
-                        checkpoint_every=100)
-  summary = target.train_target(model, tc, data, tmp_path, show_progress=False)
+  summary = target.train_target(model, TC, data, tmp_path, show_progress=False)
   after, (_, load) = target.next_token_loss(model, jnp.asarray(data.tokens))
   assert float(after) < 0.7 * float(before)
   assert summary["steps"] == 12 and (tmp_path / "target_log.jsonl").exists()
@@ -57,9 +58,8 @@ def test_balance_experts_follows_the_sign_of_the_load_gap():
 
 def test_checkpoint_restore_gives_identical_params_and_next_step(tmp_path):
   data = FixedBatch(seed=3)
-  tc = loop.TrainConfig(steps=6, batch_size=4, seq_len=24, learning_rate=5e-3, warmup_steps=1, log_every=2,
-                        checkpoint_every=3)
-  # Run A: 6 steps straight. Run B: 3 steps, then a fresh process-like restart resuming to 6.
+  tc = dataclasses.replace(TC, log_every=2, checkpoint_every=3)  # the compiled step of TC
+  # Run A: 12 steps straight. Run B: 3 steps, then a fresh process-like restart resuming to 12.
   model_a = kimi.init_model(CFG, seed=0)
   target.train_target(model_a, tc, data, tmp_path / "a", show_progress=False)
   model_b = kimi.init_model(CFG, seed=0)
@@ -70,7 +70,7 @@ def test_checkpoint_restore_gives_identical_params_and_next_step(tmp_path):
   assert loop.Checkpointer(tmp_path / "b" / "target_checkpoints").restore(model_c, optimizer) == 3
   jax.tree.map(np.testing.assert_array_equal, params_of(model_c), saved)
   # Resuming those checkpoints with other settings (here the learning rate) is refused by name.
-  with pytest.raises(loop.RunMismatch, match="train.learning_rate: 0.005 -> 0.001"):
+  with pytest.raises(loop.RunMismatch, match="train.learning_rate: 0.01 -> 0.001"):
     target.train_target(kimi.init_model(CFG, seed=5), dataclasses.replace(tc, learning_rate=1e-3), data,
                         tmp_path / "b", show_progress=False)
   model_d = kimi.init_model(CFG, seed=5)
