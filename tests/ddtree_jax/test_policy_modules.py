@@ -127,9 +127,10 @@ def test_the_server_offers_module_policies_as_spec(tmp_path, capsys):
 
 def test_generate_decodes_losslessly_with_a_module_policy(tmp_path, capsys):
   path = policy_file(tmp_path, "cli_chain")
-  code = generate.main(["--policy-module", str(path), "--policy", "cli_chain", "--max-new-tokens", "8",
-                        "--budget", "4", "--prompt", "import os"])
+  # test_generate_cli's short run, so that the plain decoding's executables are shared with it.
+  code = generate.main(["--policy-module", str(path), "--policy", "cli_chain", "--max-new-tokens", "12",
+                        "--budget", "4", "--prompt", "import json"])
   out = capsys.readouterr().out
   assert code == 0
-  assert "policy cli_chain, budget 4, float32: 8 tokens" in out
+  assert "policy cli_chain, budget 4, float32: 12 tokens" in out
   assert "speculative output identical (greedy)" in out

@@ -246,6 +246,10 @@ def test_commit_then_continue_equals_sequential_and_slots_are_isolated(model):
     np.testing.assert_allclose(got[i], seq[-4:], atol=1e-4, rtol=0)
 
 
+# 30 s of op-by-op compilation; the default run's eager-against-compiled check is the engine's
+# (tests/ddtree_jax/test_engine.py::test_jit_and_disable_jit_give_identical_tokens), which runs
+# these prefill and verify forwards under jax.disable_jit() inside whole decoding steps.
+@pytest.mark.slow
 def test_jit_and_disable_jit_agree(model):
   rng = np.random.default_rng(6)
   prompt = rng.integers(0, CFG.vocab_size, 11)
