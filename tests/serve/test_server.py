@@ -100,6 +100,21 @@ def metric(url: str, name: str, labels: str = "") -> float:
   return float(found.group(1)) if found else 0.0
 
 
+def hold_admissions(monkeypatch):
+  """(entered, release): admissions wait inside ``Batch.admit`` until ``release`` is set;
+  ``entered`` is set once the engine is inside the first."""
+  from ddtree_jax import engine as engine_lib
+  entered, release = threading.Event(), threading.Event()
+  admit = engine_lib.Batch.admit
+
+  def held(batch, request):
+    entered.set()
+    release.wait(60)
+    return admit(batch, request)
+  monkeypatch.setattr(engine_lib.Batch, "admit", held)
+  return entered, release
+
+
 def wait_idle(server, timeout=60.0) -> dict:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -437,18 +452,10 @@ def test_api_key_body_limit_and_full_queue(server):
 def test_a_request_being_admitted_still_counts_against_the_queue(server, monkeypatch):
   """Burst while a prompt is prefilled into its row: that request counts as queued until it runs, so
   at most max_batch + max_queue requests are taken, however the burst falls around admissions."""
-  from ddtree_jax import engine as engine_lib
   loop, body = server.engine.loop, {"prompt": "x", "max_tokens": 2}
   wait_idle(server)
-  entered, release = threading.Event(), threading.Event()
-  admit = engine_lib.Batch.admit
-
-  def slow_admit(batch, request):
-    entered.set()
-    release.wait(60)
-    return admit(batch, request)
+  entered, release = hold_admissions(monkeypatch)
   saved = loop.max_queue
-  monkeypatch.setattr(engine_lib.Batch, "admit", slow_admit)
   loop.max_queue = 0
   rows = loop.decoder.max_batch
   post = lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
@@ -472,18 +479,10 @@ def test_a_bucket_admitting_fewer_than_planned_runs_a_budget_it_was_compiled_for
   """The bucket is chosen for the running and waiting requests, and admission may then take fewer
   (here one prompt a turn): the step must still run at a budget compiled for that bucket. Under
   "1:16,4:8,16:4" bucket 8 holds only budget 4, while 2 running requests would ask for 8."""
-  from ddtree_jax import engine as engine_lib
   loop, rows = server.engine.loop, 8
   wait_idle(server)
   failures = metric(server.url, "ddtree_engine_failures_total")
-  entered, release = threading.Event(), threading.Event()
-  admit = engine_lib.Batch.admit
-
-  def first_admission_waits(batch, request):
-    entered.set()
-    release.wait(60)
-    return admit(batch, request)
-  monkeypatch.setattr(engine_lib.Batch, "admit", first_admission_waits)
+  entered, release = hold_admissions(monkeypatch)
   monkeypatch.setattr(loop, "prefill_tokens_per_turn", 1)  # one prompt a turn
   body = {"prompt": "def g():", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
   post = lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120)
@@ -496,7 +495,6 @@ def test_a_bucket_admitting_fewer_than_planned_runs_a_budget_it_was_compiled_for
       while loop.snapshot()["queued"] < rows and time.monotonic() < deadline:
         time.sleep(0.02)
     finally:
-      monkeypatch.setattr(engine_lib.Batch, "admit", admit)
       release.set()
     replies = [first.result()] + [f.result() for f in rest]
   assert [r.status_code for r in replies] == [200] * rows, [r.text for r in replies if r.status_code != 200]
