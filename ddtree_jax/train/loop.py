@@ -163,10 +163,11 @@ def _check_finite(name: str, metrics, step: int, checkpointer: "Checkpointer") -
         "another tokenizer) and the learning rate.")
 
 
-def _check_resumable(checkpointer: "Checkpointer", record: dict) -> None:
-  """Refuses to resume checkpoints made with other settings (``record``); records them for a new run."""
+def _check_resumable(checkpointer: "Checkpointer", record: dict, resume: bool) -> None:
+  """Refuses to resume checkpoints made with other settings (``record``); records them for a new run
+  (also one that does not resume, ``resume=False``, over older checkpoints)."""
   path = checkpointer.directory / "run.json"
-  if path.exists() and checkpointer.latest_step() is not None:
+  if resume and path.exists() and checkpointer.latest_step() is not None:
     saved = json.loads(path.read_text())
     changed = sorted(f"{group}.{key}: {saved.get(group, {}).get(key)!r} -> {value!r}"
                      for group, values in record.items() for key, value in values.items()
@@ -211,7 +212,7 @@ def run_loop(*, name: str, tc: TrainConfig, model, optimizer, train_step: Callab
   log = RunLog(out_dir, name)
   record = {"train": {k: v for k, v in dataclasses.asdict(tc).items() if k not in RESUMABLE_CHANGES},
             **(identity or {})}
-  _check_resumable(checkpointer, json.loads(json.dumps(record)))
+  _check_resumable(checkpointer, json.loads(json.dumps(record)), resume)
   start = 0
   if resume and checkpointer.latest_step() is not None:
     start = checkpointer.restore(model, optimizer)
