@@ -163,9 +163,9 @@ def _check_tokenizer(args, parser) -> None:
 
 
 def _run(args, argv, parser) -> int:
+  _check_tokenizer(args, parser)  # before --out exists: a refused command leaves nothing behind
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  _check_tokenizer(args, parser)
   t0 = time.perf_counter()
   if args.command == "target":
     model, summary = run_target(args, _tc(args), out)

@@ -49,6 +49,9 @@ def train_drafter(drafter: dflash.DFlashModel, target: kimi.KimiModel, tc: loop.
   train_step = lambda model, opt, batch: step_fn(target, model, opt, batch["tokens"], batch["step"])
   # Windows of seq_len tokens (the dataset's extra next-token column is not needed here).
   batch_at = lambda step: {"tokens": dataset.batch(step)[:, :tc.seq_len], "step": step}
+  # The frozen target is an argument of the step too: nnx.jit hands it back committed, so an
+  # uncommitted one (freshly loaded) would make the second step compile the step again.
+  loop.commit_state(target)
   identity = loop.run_identity(dflash_cfg, dataset, target={"config": dataclasses.asdict(target.cfg),
                                                              "fingerprint": target_fingerprint(target)},
                               anchors={"num_anchors": num_anchors})

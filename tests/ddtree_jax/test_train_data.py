@@ -291,6 +291,8 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
   the corpus's vocabulary."""
   import json
   from ddtree_jax.train import __main__ as train_cli
+  import jax.numpy as jnp
+  from flax import nnx
   from models import kimi, loading
   from models.config import KimiConfig
   from serve.text import TextCodec
@@ -308,6 +310,24 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
   codec = TextCodec.from_model_dir(exported, eos_token_id=0, chat=False)
   assert codec.encode("def f():") == T.load_tokenizer(tokenizer_path).encode("def f():").ids
   assert codec.completion_prompt("x")[0] == 0  # documents begin with <|endoftext|> in the corpus
+  # The drafter command end to end against that export: trains, checkpoints, exports; the same
+  # command again resumes (the target's fingerprint is the same after a fresh load) with nothing left.
+  run, export = tmp_path / "drafter_run", tmp_path / "drafter_export"
+  trained = ["drafter", "--corpus", str(corpus), "--out", str(run), "--steps", "2", "--warmup", "0", "--batch-size",
+             "2", "--seq-len", "32", "--anchors", "2", "--no-progress", "--target", str(exported), "--export", str(export)]
+  for _ in range(2):
+    assert train_cli.main(trained) == 0
+  log = [json.loads(line) for line in (run / "drafter_log.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in log if "loss" in r] == [2] and np.isfinite([r["loss"] for r in log if "loss" in r]).all()
+  assert [r for r in log if r.get("event") == "resumed"] == [{"event": "resumed", "step": 2}]
+  from models import dflash
+  drafter_model = loading.load_dflash(export, dtype="float32", param_dtype="float32")
+  assert drafter_model.cfg.block_size > 1 and max(drafter_model.cfg.target_layer_ids) < KimiConfig.tiny().num_hidden_layers
+  flat = lambda m: {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+  loaded, fresh = flat(drafter_model), flat(dflash.init_dflash(drafter_model.cfg, 0))
+  assert loaded.keys() == fresh.keys() and all(np.isfinite(v).all() for v in loaded.values())
+  moved = [k for k in loaded if not np.array_equal(loaded[k], fresh[k].astype(jnp.bfloat16).astype(np.float32))]
+  assert len(moved) > len(loaded) // 2, moved  # the export holds trained weights, not the initial ones
   other = json.loads((loading.resolve_model_dir("kimi-demo") / "tokenizer.json").read_text())
   (exported / "tokenizer.json").write_text(json.dumps(other))
   with pytest.raises(SystemExit, match="tokenised by another tokenizer than the target's tokenizer.json"):
@@ -316,3 +336,4 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
     train_cli.main(["target", "--corpus", str(corpus), "--out", str(tmp_path / "t"), "--tokenizer",
                     str(exported / "tokenizer.json")])
   assert exit_info.value.code == 2 and "is not the tokenizer" in capsys.readouterr().err
+  assert not (tmp_path / "t").exists()  # refused before the run directory is made

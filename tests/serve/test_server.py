@@ -44,10 +44,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def plain_server():
-  """``python -m ddtree_jax.serve --spec none`` in a subprocess (started first: it warms up while the
-  in-process server does)."""
+  """``python -m ddtree_jax.serve --spec none`` in a subprocess. Its batch is 4, so the tests' 16
+  concurrent clients also queue there (and its warm-up compiles three buckets, not five)."""
   port = free_port()
-  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--max-batch", "16",
+  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--max-batch", "4",
          "--max-context", str(MAX_CONTEXT), "--dtype", "float32", "--log-level", "warning"]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
