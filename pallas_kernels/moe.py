@@ -119,6 +119,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 import numpy as np
 
+from pallas_kernels.forward_only import forward_only
 from pallas_kernels.gpu_info import interpret_params, num_sms, pdl_prologue
 from models.int4 import (GROUP_SIZE, PACK_BLOCK, Bf16Experts, Int4Experts, Int4Matrix,  # noqa: F401 (the kernel's API)
                          KernelInt4Matrix, from_kernel_layout, kernel_experts, kernel_layout_from_compressed_tensors,
@@ -1451,8 +1452,9 @@ def moe_experts(x_sorted, group_sizes, experts, *, block_rows: int | None = None
   Returns:
     bf16 [A, H]; zero for rows past sum(group_sizes).
   """
-  return _moe_experts(x_sorted, group_sizes, experts, block_rows, int4_dequant, expected_rows, tiles, interpret,
-                      False, sorted_expert_ids, per_row, item_programs, work_list_impl)
+  return forward_only("moe_experts", lambda x, w: _moe_experts(
+      x, group_sizes, w, block_rows, int4_dequant, expected_rows, tiles, interpret, False, sorted_expert_ids,
+      per_row, item_programs, work_list_impl), x_sorted, experts)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_OPTIONS + ("item_programs",))
@@ -1483,8 +1485,9 @@ def moe_experts_per_row(tokens, expert_ids, experts, *, block_rows: int | None =
     bf16 [M, K, H]: row [m, j] = down(silu(x @ gate) * (x @ up)) of tokens[m] through expert
     expert_ids[m, j]; each the same, bit for bit, as ``moe_experts`` gives that row.
   """
-  return _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,
-                              interpret, False, item_programs)
+  return forward_only("moe_experts_per_row", lambda x, w: _moe_experts_per_row(
+      x, expert_ids, w, block_rows, int4_dequant, expected_rows, tiles, interpret, False, item_programs),
+                      tokens, experts)
 
 
 def _moe_experts_per_row(tokens, expert_ids, experts, block_rows, int4_dequant, expected_rows, tiles,

@@ -147,6 +147,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from ddtree_jax.tree import window_mask_bits
+from pallas_kernels.forward_only import forward_only
 from pallas_kernels.gpu_info import interpret_params, num_sms, pdl_prologue
 
 LOG2E = math.log2(math.e)
@@ -1829,12 +1830,14 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
   c_kv_p, k_pe_p = _pad_cache_len([c_kv_p, k_pe_p])
   q_lat = _pad_last(_as_bf16(q_latent), 64).reshape(batch, q_len * heads, -1)
   q_rp = _pad_last(_as_bf16(q_rope), 32).reshape(batch, q_len * heads, -1)
-  out = _attend([q_lat, q_rp], [c_kv_p[:, :, None], k_pe_p[:, :, None]], None,
-                slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
-                scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
-                interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
-                rows_per_tile=rows_per_tile, options=options, window_meta=window_meta, name=name,
-                call_dims=_mla_dims(latent, rope, c_kv.shape[1]), query_dtype=q_latent.dtype)
+  attend = lambda q_lat, q_rp, c_kv_p, k_pe_p: _attend(
+      [q_lat, q_rp], [c_kv_p[:, :, None], k_pe_p[:, :, None]], None,
+      slots.astype(jnp.int32), prefix_len.astype(jnp.int32), visibility, valid,
+      scale=scale, q_len=q_len, heads_per_group=heads, num_groups=1,
+      interpret=interpret, num_splits=num_splits, partial_dtype=partial_dtype,
+      rows_per_tile=rows_per_tile, options=options, window_meta=window_meta, name=name,
+      call_dims=_mla_dims(latent, rope, c_kv.shape[1]), query_dtype=q_latent.dtype)
+  out = forward_only(name, attend, q_lat, q_rp, c_kv_p, k_pe_p)
   return out[..., :latent].reshape(batch, q_len, heads, latent)
 
 
@@ -1880,11 +1883,13 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale, 
   # Rows of one group: (q, r) for heads g * rep + r.
   qg = _pad_last(_as_bf16(q), 64).reshape(batch, q_len, groups, rep, -1)
   qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch * groups, q_len * rep, -1)
-  out = _attend([qg], [k_p], v_p, slots.astype(jnp.int32), prefix_len.astype(jnp.int32),
-                visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
-                num_groups=groups, interpret=interpret, num_splits=num_splits,
-                partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options,
-                window_meta=window_meta, name=name, call_dims=_mha_dims(dim, k.shape[1]),
-                query_dtype=q.dtype)
+  attend = lambda qg, k_p, v_p: _attend(
+      [qg], [k_p], v_p, slots.astype(jnp.int32), prefix_len.astype(jnp.int32),
+      visibility, valid, scale=scale, q_len=q_len, heads_per_group=rep,
+      num_groups=groups, interpret=interpret, num_splits=num_splits,
+      partial_dtype=partial_dtype, rows_per_tile=rows_per_tile, options=options,
+      window_meta=window_meta, name=name, call_dims=_mha_dims(dim, k.shape[1]),
+      query_dtype=q.dtype)
+  out = forward_only(name, attend, qg, k_p, v_p)
   out = out[..., :dim].reshape(batch, groups, q_len, rep, dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dim)
