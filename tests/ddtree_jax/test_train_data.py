@@ -293,7 +293,7 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
   from ddtree_jax.train import __main__ as train_cli
   import jax.numpy as jnp
   from flax import nnx
-  from models import kimi, loading
+  from models import dflash, kimi, loading
   from models.config import KimiConfig
   from serve.text import TextCodec
   vocab = D.read_manifest(corpus)["vocab_size"]
@@ -320,7 +320,6 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
   log = [json.loads(line) for line in (run / "drafter_log.jsonl").read_text().splitlines()]
   assert [r["step"] for r in log if "loss" in r] == [2] and np.isfinite([r["loss"] for r in log if "loss" in r]).all()
   assert [r for r in log if r.get("event") == "resumed"] == [{"event": "resumed", "step": 2}]
-  from models import dflash
   drafter_model = loading.load_dflash(export, dtype="float32", param_dtype="float32")
   assert drafter_model.cfg.block_size > 1 and max(drafter_model.cfg.target_layer_ids) < KimiConfig.tiny().num_hidden_layers
   flat = lambda m: {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
