@@ -30,6 +30,7 @@ HEAVIEST_FIRST = (
     "tests/ddtree_jax/test_generate_cli.py",  # 52
     "tests/ddtree_jax/test_policy_contract.py",  # 48
     "tests/ddtree_jax/test_policies.py",  # 43
+    "tests/ddtree_jax/test_train_data.py",  # 25 (2026-12-07: the drafter command's end-to-end run)
 )
 
 
