@@ -7,6 +7,13 @@ A query window of ``Q`` rows (a draft tree, a prefill chunk, or one decode token
 A padded row sees only itself (never the prefix). A padded row whose own column lies past the
 pool (a last prefill chunk that runs past ``max_len``, whose write is dropped) sees nothing: its
 output is 0, as the kernels store it, not the NaN of a softmax over nothing.
+
+Every product keeps dot_general's own output order (batch dims, the queries' free dims, then the
+keys'), any transpose after it. An output transposed inside the product lets XLA:CPU compute the
+transposed product, whose free dimension is then the window's rows, and a row's value then
+depends on how many rows the window has: every row of a 16-row chunk differed in its last bits
+from the same row in a 32-row chunk, so the chunk size moved bf16 logits by 0.05 on average
+(`benchmarks/results/bf16_noise_cpu.md`). In this order they are bit for bit the same.
 """
 
 import jax
@@ -60,11 +67,11 @@ def mla_tree_attention(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibili
   """
   kv = c_kv[slots].astype(jnp.float32)  # [B, T, R]
   kr = k_pe[slots].astype(jnp.float32)  # [B, T, P]
-  scores = (jnp.einsum('bqnr,btr->bnqt', q_latent.astype(jnp.float32), kv) +
-            jnp.einsum('bqnp,btp->bnqt', q_rope.astype(jnp.float32), kr)) * scale
-  mask = cache_mask(prefix_len, visibility, valid, c_kv.shape[1])[:, None]  # [B, 1, Q, T]
+  scores = (jnp.einsum('bqnr,btr->bqnt', q_latent.astype(jnp.float32), kv) +
+            jnp.einsum('bqnp,btp->bqnt', q_rope.astype(jnp.float32), kr)) * scale
+  mask = cache_mask(prefix_len, visibility, valid, c_kv.shape[1])[:, :, None]  # [B, Q, 1, T]
   probs = _masked_softmax(scores, mask)
-  return jnp.einsum('bnqt,btr->bqnr', probs, kv)
+  return jnp.einsum('bqnt,btr->bqnr', probs, kv)
 
 
 def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale):
@@ -83,8 +90,8 @@ def mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, *, scale):
   kb = k[slots].astype(jnp.float32)  # [B, T, G, D]
   vb = v[slots].astype(jnp.float32)
   qg = q.astype(jnp.float32).reshape(q.shape[:2] + (num_groups, rep, q.shape[-1]))
-  scores = jnp.einsum('bqgrd,btgd->bgrqt', qg, kb) * scale
-  mask = cache_mask(prefix_len, visibility, valid, k.shape[1])[:, None, None]
+  scores = jnp.einsum('bqgrd,btgd->bgqrt', qg, kb) * scale
+  mask = cache_mask(prefix_len, visibility, valid, k.shape[1])[:, None, :, None]  # [B, 1, Q, 1, T]
   probs = _masked_softmax(scores, mask)
-  out = jnp.einsum('bgrqt,btgd->bqgrd', probs, vb)
+  out = jnp.einsum('bgqrt,btgd->bgqrd', probs, vb).transpose(0, 2, 1, 3, 4)  # [B, Q, G, R, D]
   return out.reshape(q.shape[:3] + (v.shape[-1],))

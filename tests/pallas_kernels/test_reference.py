@@ -1,7 +1,9 @@
 """The plain-jnp tree attention against a per-row float64 numpy loop (float32 inputs)."""
 
+import jax
 import numpy as np
 import jax.numpy as jnp
+import pytest
 
 from pallas_kernels import reference
 
@@ -84,6 +86,39 @@ def test_mha_reference_groups_heads_like_repeated_kv():
   for i, row in zip(*np.nonzero(~valid)):
     col = int(args[1][i]) + row
     np.testing.assert_allclose(np.asarray(grouped)[i, row], np.repeat(v[int(args[0][i]), col], rep, axis=0), atol=1e-6)
+
+
+def _causal_chunks(attend, queries, pool, prefix: int, rows: int, chunk: int):
+  """Rows [prefix, prefix + rows) of a causal prefill over ``pool`` (every row's key already
+  written), computed in windows of ``chunk`` rows, as a chunked prefill runs them."""
+  outs = []
+  for start in range(prefix, prefix + rows, chunk):
+    window = tuple(q[:, start:start + chunk] for q in queries)
+    batch = window[0].shape[0]
+    visibility = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (batch, chunk, chunk))
+    outs.append(attend(*window, *pool, jnp.arange(batch), jnp.full((batch,), start, jnp.int32), visibility,
+                       jnp.ones((batch, chunk), bool)))
+  return np.concatenate([np.asarray(o) for o in outs], axis=1)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's codegen; GPU GEMMs choose kernels by shape")
+def test_a_rows_output_does_not_depend_on_the_windows_length_on_the_cpu():
+  """Bit for bit, a row's attention is the same in a window of 16 rows as in one of 32 (float32
+  inputs, the demo target's and drafter's widths): scores laid out [B, Q, N, T] keep XLA:CPU's products row-invariant
+  ([B, N, Q, T] did not: every row differed), so a chunked prefill's logits do not depend on the
+  chunk size (`benchmarks/bf16_noise.py`)."""
+  rng = np.random.default_rng(4)
+  batch, heads, pool_len, prefix, rows = 2, 6, 128, 32, 32
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  mla = jax.jit(lambda *a: reference.mla_tree_attention(*a, scale=0.1))
+  queries, pool = (normal(batch, 96, heads, 128), normal(batch, 96, heads, 32)), (normal(batch, pool_len, 128),
+                                                                                  normal(batch, pool_len, 32))
+  np.testing.assert_array_equal(_causal_chunks(mla, queries, pool, prefix, rows, 16),
+                                _causal_chunks(mla, queries, pool, prefix, rows, 32))
+  mha = jax.jit(lambda *a: reference.mha_tree_attention(*a, scale=0.1))
+  queries, pool = (normal(batch, 96, 6, 64),), (normal(batch, pool_len, 2, 64), normal(batch, pool_len, 2, 64))
+  np.testing.assert_array_equal(_causal_chunks(mha, queries, pool, prefix, rows, 16),
+                                _causal_chunks(mha, queries, pool, prefix, rows, 32))
 
 
 def test_race_states_of_every_kernel_are_checked():
