@@ -1,0 +1,164 @@
+"""Where a demo-pair engine step's time goes on the GPU at batch 1, under XLA's launch settings.
+
+    PYTHONPATH=. python3 benchmarks/step_overhead.py --out benchmarks/results     # on the GPU
+
+At batch 1 the demo pair's steps are host-bound (`bench_spec.md`: about 60% of a 1.8-2.4 ms step
+is host time), while DESIGN §4 measured 376 us a step for a decoder of similar size dispatched the
+same way. For each ``XLA_FLAGS`` variant below, in a process of its own (XLA reads the flags once):
+the engine's greedy steps at budgets 0 and 16, batch 1, bf16 (5 held-out prompts x 128 tokens):
+
+* tokens/s, and the median step wall time and host time of ``engine.StepStats``;
+* *raw*: the same step dispatched 40 times without reading its output (``Batch.dispatch`` alone):
+  wall time per step and the dispatch call's own time, i.e. XLA's execution without the
+  engine's per-step reading and bookkeeping;
+* from a ``jax.profiler`` trace of one 64-token request: kernels and memory copies per step, and
+  the time per step that some kernel ran (*busy*) against the device span.
+
+Busy well below the step's wall time means the GPU waits for the host: launches (the layer scans'
+``while`` loops run on the host unless XLA's command buffers take them in) or the engine's own
+reading. Writes ``step_overhead.{json,md}``.
+"""
+
+import argparse
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = {
+    "default": "",
+    "command buffers off": "--xla_gpu_enable_command_buffer=",
+    "+ while and conditional": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+    "graphs from 1 op": "--xla_gpu_graph_min_graph_size=1",
+}
+BUDGETS = (0, 16)
+RAW_STEPS = 40
+
+
+def summarize(events, steps: int) -> dict:
+  """Per step, from a trace's device events [(start_ns, duration_ns, name)]: kernels, memory
+  copies, the time some kernel ran (overlaps counted once) and the span of all of them."""
+  kernels = sorted(e for e in events if "memcpy" not in e[2].lower() and "memset" not in e[2].lower())
+  copies = [e for e in events if "memcpy" in e[2].lower()]
+  busy, covered_to = 0, kernels[0][0]
+  for start, duration, _ in kernels:
+    end = start + duration
+    if end > covered_to:
+      busy += end - max(start, covered_to)
+      covered_to = end
+  return {"kernels_per_step": len(kernels) / steps, "copies_per_step": len(copies) / steps,
+          "busy_us_per_step": busy / 1e3 / steps, "span_us_per_step": (covered_to - kernels[0][0]) / 1e3 / steps}
+
+
+def trace_events(run):
+  """Device events [(start_ns, duration_ns, name)] of the GPU during ``run()``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    result = run()
+    jax.profiler.stop_trace()
+    data = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+  plane = next(p for p in data.planes if p.name.startswith("/device:GPU"))
+  return result, [(e.start_ns, e.duration_ns, e.name) for line in plane.lines for e in line.events
+                  if "Stream" in line.name or "Memcpy" in line.name]
+
+
+def measure(variant: str) -> dict:
+  """One variant's cells (run in a child process with its XLA_FLAGS)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
+  from models import dflash, loading  # pylint: disable=import-outside-toplevel
+  target = loading.load_kimi("kimi-demo", dtype="bfloat16")
+  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
+  held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]
+  prompts = [p["tokens"] for p in held[:6]]
+  t0 = time.perf_counter()
+  decoder = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target),
+                                      policy="ddtree", budgets=BUDGETS, batch_buckets=(1,), max_len=512,
+                                      show_progress=False)
+  row = {"variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_s": time.perf_counter() - t0}
+  for budget in BUDGETS:
+    decoder.generate(prompts[:1], 32, budget=budget, stop_token_ids=[])  # warm
+    steps, tokens, seconds = [], 0, 0.0
+    for prompt in prompts[1:]:
+      result = decoder.generate([prompt], 128, budget=budget, stop_token_ids=[])
+      steps += result.steps[1:]
+      tokens += len(result.tokens[0])
+      seconds += result.decode_time
+    batch = engine.Batch(decoder, 1)
+    batch.admit(decoder.request(prompts[0], 300, stop_token_ids=[]))
+    batch.collect(batch.dispatch(budget))
+    dispatch_s, start = [], time.perf_counter()
+    for _ in range(RAW_STEPS):
+      t = time.perf_counter()
+      handle = batch.dispatch(budget)
+      dispatch_s.append(time.perf_counter() - t)
+    jax.block_until_ready(handle[1])
+    raw_step_s = (time.perf_counter() - start) / RAW_STEPS
+    batch.close()
+    traced, events = trace_events(lambda: decoder.generate([prompts[0]], 64, budget=budget, stop_token_ids=[]))
+    row[f"budget {budget}"] = {
+        "tokens_per_s": tokens / seconds, "step_ms": 1e3 * float(np.median([s.step_time for s in steps])),
+        "host_ms": 1e3 * float(np.median([s.host_time for s in steps])), "raw_step_ms": 1e3 * raw_step_s,
+        "raw_dispatch_ms": 1e3 * float(np.median(dispatch_s)), **summarize(events, len(traced.steps))}
+  return row
+
+
+def markdown(result: dict) -> str:
+  lines = [f"# A demo-pair engine step at batch 1 under XLA's launch settings ({result['device']}, jax {result['jax']})",
+           "", "bf16, greedy, 5 held-out prompts x 128 tokens; *raw*: the step dispatched 40 times without reading "
+           "it; kernels, copies, busy and span per step from a device trace of one 64-token request.", "",
+           "| variant | budget | tok/s | step ms | host ms | raw step ms | raw dispatch ms | kernels | copies | "
+           "busy us | span us |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for row in result["rows"]:
+    if "error" in row:
+      lines.append(f"| {row['variant']} | failed: {row['error'][:200]} | | | | | | | | | |")
+      continue
+    for budget in BUDGETS:
+      c = row[f"budget {budget}"]
+      lines.append(f"| {row['variant']} | {budget} | {c['tokens_per_s']:.0f} | {c['step_ms']:.3f} | {c['host_ms']:.3f} | "
+                   f"{c['raw_step_ms']:.3f} | {c['raw_dispatch_ms']:.3f} | {c['kernels_per_step']:.0f} | "
+                   f"{c['copies_per_step']:.1f} | {c['busy_us_per_step']:.0f} | {c['span_us_per_step']:.0f} |")
+  lines += ["", "Variants' `XLA_FLAGS`: " + "; ".join(f"{k}: `{v or '(none)'}`" for k, v in VARIANTS.items()), "",
+            f"Command: `PYTHONPATH=. python3 benchmarks/step_overhead.py {' '.join(result['argv'])}`"]
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  if len(sys.argv) == 3 and sys.argv[1] == "--child":
+    print("RESULT " + json.dumps(measure(sys.argv[2])), flush=True)
+    return
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+  parser.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
+  args = parser.parse_args()
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() != "gpu":
+    raise SystemExit("step_overhead.py needs a CUDA GPU")
+  rows = []
+  for variant, flags in VARIANTS.items():
+    env = dict(os.environ, XLA_FLAGS=flags)
+    try:
+      child = subprocess.run([sys.executable, __file__, "--child", variant], env=env, capture_output=True, text=True,
+                             timeout=args.timeout_s, check=False)
+      found = [line[7:] for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+      rows.append(json.loads(found[0]) if found else
+                  {"variant": variant, "error": f"exit {child.returncode}: {child.stderr.strip()[-500:]}"})
+    except subprocess.TimeoutExpired:
+      rows.append({"variant": variant, "error": f"over {args.timeout_s} s"})
+    print(json.dumps(rows[-1]), flush=True)
+  result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "rows": rows}
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "step_overhead.json").write_text(json.dumps(result, indent=1))
+  (args.out / "step_overhead.md").write_text(markdown(result))
+  print(markdown(result))
+
+
+if __name__ == "__main__":
+  main()
