@@ -13,7 +13,9 @@ keys'), any transpose after it. An output transposed inside the product lets XLA
 transposed product, whose free dimension is then the window's rows, and a row's value then
 depends on how many rows the window has: every row of a 16-row chunk differed in its last bits
 from the same row in a 32-row chunk, so the chunk size moved bf16 logits by 0.05 on average
-(`benchmarks/results/bf16_noise_cpu.md`). In this order they are bit for bit the same.
+(`benchmarks/results/bf16_noise_cpu.md`). In this order they are bit for bit the same. (Windows
+of a few rows, or batches of one, can still round differently: XLA:CPU picks reduction orders by
+shape there; `docs/bf16_near_ties.md`.)
 """
 
 import jax
