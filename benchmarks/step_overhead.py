@@ -29,6 +29,14 @@ import sys
 import tempfile
 import time
 
+import jax
+import numpy as np
+from jax.profiler import ProfileData
+
+import moe_timeline
+from ddtree_jax import engine
+from models import dflash, loading
+
 VARIANTS = {
     "default": "",
     "command buffers off": "--xla_gpu_enable_command_buffer=",
@@ -42,22 +50,14 @@ RAW_STEPS = 40
 def summarize(events, steps: int) -> dict:
   """Per step, from a trace's device events [(start_ns, duration_ns, name)]: kernels, memory
   copies, the time some kernel ran (overlaps counted once) and the span of all of them."""
-  kernels = sorted(e for e in events if "memcpy" not in e[2].lower() and "memset" not in e[2].lower())
-  copies = [e for e in events if "memcpy" in e[2].lower()]
-  busy, covered_to = 0, kernels[0][0]
-  for start, duration, _ in kernels:
-    end = start + duration
-    if end > covered_to:
-      busy += end - max(start, covered_to)
-      covered_to = end
-  return {"kernels_per_step": len(kernels) / steps, "copies_per_step": len(copies) / steps,
-          "busy_us_per_step": busy / 1e3 / steps, "span_us_per_step": (covered_to - kernels[0][0]) / 1e3 / steps}
+  is_copy = lambda name: "memcpy" in name.lower() or "memset" in name.lower()
+  kernels = moe_timeline.summarize(sorted(e for e in events if not is_copy(e[2])), steps)
+  return {"kernels_per_step": kernels["kernels"], "copies_per_step": sum("memcpy" in e[2].lower() for e in events) / steps,
+          "busy_us_per_step": kernels["busy_us"], "span_us_per_step": kernels["span_us"]}
 
 
 def trace_events(run):
   """Device events [(start_ns, duration_ns, name)] of the GPU during ``run()``."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     result = run()
@@ -70,10 +70,6 @@ def trace_events(run):
 
 def measure(variant: str) -> dict:
   """One variant's cells (run in a child process with its XLA_FLAGS)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
-  from models import dflash, loading  # pylint: disable=import-outside-toplevel
   target = loading.load_kimi("kimi-demo", dtype="bfloat16")
   draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
   held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]
@@ -138,7 +134,6 @@ def main():
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
   parser.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
   args = parser.parse_args()
-  import jax  # pylint: disable=import-outside-toplevel
   if jax.default_backend() != "gpu":
     raise SystemExit("step_overhead.py needs a CUDA GPU")
   rows = []
