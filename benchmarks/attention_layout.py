@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python3 benchmarks/attention_layout.py --out benchmarks/results     # CPU or GPU
 
-Until 2026-12-07 ``pallas_kernels/reference.py`` laid its attention scores out [B, N, Q, T] (the
-grouped form [B, G, R, Q, T]); on XLA:CPU that made a row's value depend on the window's row count
-(``docs/bf16_near_ties.md``). This runs the previous layout ("transposed", defined here) and the
-current one ("dot order", the module's) on the bf16 demo pair, one after the other in one process:
+Until 2026-12-07 ``pallas_kernels/reference.py`` laid its MLA attention scores out [B, N, Q, T];
+on XLA:CPU that made a row's value depend on the window's row count (``docs/bf16_near_ties.md``).
+This runs the previous layout ("transposed", defined here) and the current one ("dot order", the
+module's) as the demo target's attention, one after the other in one process (the drafter has an
+attention of its own, unchanged):
 
 * teacher-forced logits of 8 held-out prompts x 96 tokens with prefill chunks of 16 and 1 against
   chunks of 32 (one pool length for all): positions whose logits moved, and the mean of the largest
@@ -44,23 +45,11 @@ def transposed_mla(q_latent, q_rope, c_kv, k_pe, slots, prefix_len, visibility, 
   return jnp.einsum('bnqt,btr->bqnr', probs, kv)
 
 
-def transposed_mha(q, k, v, slots, prefix_len, visibility, valid, *, scale):
-  """``reference.mha_tree_attention`` as it was: scores [B, G, R, Q, T], products transposed."""
-  groups = k.shape[2]
-  kb, vb = k[slots].astype(jnp.float32), v[slots].astype(jnp.float32)
-  qg = q.astype(jnp.float32).reshape(q.shape[:2] + (groups, q.shape[2] // groups, q.shape[-1]))
-  scores = jnp.einsum('bqgrd,btgd->bgrqt', qg, kb) * scale
-  mask = reference.cache_mask(prefix_len, visibility, valid, k.shape[1])[:, None, None]
-  probs = reference._masked_softmax(scores, mask)  # pylint: disable=protected-access
-  return jnp.einsum('bgrqt,btgd->bqgrd', probs, vb).reshape(q.shape[:3] + (v.shape[-1],))
-
-
-LAYOUTS = {"transposed": (transposed_mla, transposed_mha),
-           "dot order": (reference.mla_tree_attention, reference.mha_tree_attention)}
+LAYOUTS = {"transposed": transposed_mla, "dot order": reference.mla_tree_attention}
 
 
 def chunk_noise(target, sequences, max_chunk: int = 32):
-  """{chunk: (positions moved, mean largest |change|)} against chunks of ``max_chunk``."""
+  """{"chunk C": (positions moved, mean largest |change|)} against chunks of ``max_chunk``."""
   def logits(chunk):
     cache = cache_lib.init_cache(target.cfg, len(sequences), len(sequences[0]) + max_chunk)
     _, out, _, _ = fwd.prefill(target, sequences, np.arange(len(sequences)), cache, chunk_size=chunk,
@@ -70,19 +59,22 @@ def chunk_noise(target, sequences, max_chunk: int = 32):
   result = {}
   for chunk in (16, 1):
     change = np.abs(logits(chunk) - base).max(-1)
-    result[chunk] = (int((change > 0).sum()), float(change.mean()))
+    result[f"chunk {chunk}"] = (int((change > 0).sum()), float(change.mean()))
   return result
+
+
+BUDGETS = (0, 4, 16)
 
 
 def greedy_identity(target, draft, prompts, new_tokens: int):
   """[(budget, batch, identical streams, [(stream, token, margin), ...])] against greedy decoding."""
-  max_len = len(prompts[0]) + new_tokens + 17 + 1
+  max_len = max(map(len, prompts)) + new_tokens + max(BUDGETS) + 1
   ref_tokens, margins = greedy_reference(target, prompts, new_tokens, max_len)
   decoder = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg), dflash.DFlashDrafter.params(draft, target),
-                                      policy="ddtree", budgets=(0, 4, 16), batch_buckets=(1, 4), max_len=max_len,
+                                      policy="ddtree", budgets=BUDGETS, batch_buckets=(1, 4), max_len=max_len,
                                       show_progress=False)
   rows = []
-  for budget in (0, 4, 16):
+  for budget in BUDGETS:
     for batch in (1, 4):
       tokens = []
       for i in range(0, len(prompts), batch):
@@ -102,16 +94,16 @@ def main():
   draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
   held = [p["tokens"] for p in
           json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]]
-  current = LAYOUTS["dot order"]
+  current = reference.mla_tree_attention
   results = {}
   try:
-    for name, (mla, mha) in LAYOUTS.items():
-      reference.mla_tree_attention, reference.mha_tree_attention = mla, mha  # the model looks them up per call
+    for name, attention in LAYOUTS.items():
+      reference.mla_tree_attention = attention  # the model looks it up per call
       jax.clear_caches()
       results[name] = dict(noise=chunk_noise(target, [p[:96] for p in held[:8]]),
                            greedy=greedy_identity(target, draft, [p[:64] for p in held[:16]], 48))
   finally:
-    reference.mla_tree_attention, reference.mha_tree_attention = current
+    reference.mla_tree_attention = current
   backend = jax.default_backend()
   out = dict(backend=backend, device=str(jax.devices()[0].device_kind), jax=jax.__version__,
              layouts=results, seconds=round(time.time() - start, 1))
@@ -122,7 +114,7 @@ def main():
            "length):", "", "| layout | chunk 16: positions moved | mean change | chunk 1: positions moved | mean change |",
            "| --- | --- | --- | --- | --- |"]
   for name, r in results.items():
-    (m16, c16), (m1, c1) = r["noise"][16], r["noise"][1]
+    (m16, c16), (m1, c1) = r["noise"]["chunk 16"], r["noise"]["chunk 1"]
     lines.append(f"| {name} | {m16} | {c16:.4f} | {m1} | {c1:.4f} |")
   lines += ["", "Greedy streams of the engine (ddtree) against greedy decoding of the target alone (16 prompts x 48 "
             "tokens, the reference decoding all 16 at once); differing streams as (stream, first differing token, "

@@ -11,8 +11,9 @@ the engine's greedy steps at budgets 0 and 16, batch 1, bf16 (5 held-out prompts
 * *raw*: the same step dispatched 40 times without reading its output (``Batch.dispatch`` alone):
   wall time per step and the dispatch call's own time, i.e. XLA's execution without the
   engine's per-step reading and bookkeeping;
-* from a ``jax.profiler`` trace of one 64-token request: kernels and memory copies per step, and
-  the time per step that some kernel ran (*busy*) against the device span.
+* from a ``jax.profiler`` trace of 16 steps run as the engine runs them (dispatch the next, then
+  read the last; the prompt prefilled before the trace): kernels and memory copies or sets per
+  step, and the time per step that some kernel ran (*busy*) against the device span.
 
 Busy well below the step's wall time means the GPU waits for the host: launches (the layer scans'
 ``while`` loops run on the host unless XLA's command buffers take them in) or the engine's own
@@ -45,14 +46,15 @@ VARIANTS = {
 }
 BUDGETS = (0, 16)
 RAW_STEPS = 40
+TRACE_STEPS = 16
 
 
 def summarize(events, steps: int) -> dict:
   """Per step, from a trace's device events [(start_ns, duration_ns, name)]: kernels, memory
-  copies, the time some kernel ran (overlaps counted once) and the span of all of them."""
+  copies and sets, the time some kernel ran (overlaps counted once) and the span of the kernels."""
   is_copy = lambda name: "memcpy" in name.lower() or "memset" in name.lower()
   kernels = moe_timeline.summarize(sorted(e for e in events if not is_copy(e[2])), steps)
-  return {"kernels_per_step": kernels["kernels"], "copies_per_step": sum("memcpy" in e[2].lower() for e in events) / steps,
+  return {"kernels_per_step": kernels["kernels"], "copies_per_step": sum(is_copy(e[2]) for e in events) / steps,
           "busy_us_per_step": kernels["busy_us"], "span_us_per_step": kernels["span_us"]}
 
 
@@ -98,23 +100,36 @@ def measure(variant: str) -> dict:
     jax.block_until_ready(handle[1])
     raw_step_s = (time.perf_counter() - start) / RAW_STEPS
     batch.close()
-    traced, events = trace_events(lambda: decoder.generate([prompts[0]], 64, budget=budget, stop_token_ids=[]))
+    batch = engine.Batch(decoder, 1)
+    batch.admit(decoder.request(prompts[0], 300, stop_token_ids=[]))
+    batch.collect(batch.dispatch(budget))  # the prefill and a first step stay out of the trace
+
+    def engine_steps():  # as the engine runs them: dispatch the next step, then read the last
+      pending = batch.dispatch(budget)
+      for _ in range(TRACE_STEPS - 1):
+        pending, last = batch.dispatch(budget), pending
+        batch.collect(last)
+      batch.collect(pending)
+
+    _, events = trace_events(engine_steps)
+    batch.close()
     row[f"budget {budget}"] = {
         "tokens_per_s": tokens / seconds, "step_ms": 1e3 * float(np.median([s.step_time for s in steps])),
         "host_ms": 1e3 * float(np.median([s.host_time for s in steps])), "raw_step_ms": 1e3 * raw_step_s,
-        "raw_dispatch_ms": 1e3 * float(np.median(dispatch_s)), **summarize(events, len(traced.steps))}
+        "raw_dispatch_ms": 1e3 * float(np.median(dispatch_s)), **summarize(events, TRACE_STEPS)}
   return row
 
 
 def markdown(result: dict) -> str:
   lines = [f"# A demo-pair engine step at batch 1 under XLA's launch settings ({result['device']}, jax {result['jax']})",
            "", "bf16, greedy, 5 held-out prompts x 128 tokens; *raw*: the step dispatched 40 times without reading "
-           "it; kernels, copies, busy and span per step from a device trace of one 64-token request.", "",
+           "it; kernels, memory copies and sets, busy and span per step from a device trace of 16 steps.", "",
            "| variant | budget | tok/s | step ms | host ms | raw step ms | raw dispatch ms | kernels | copies | "
            "busy us | span us |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
     if "error" in row:
-      lines.append(f"| {row['variant']} | failed: {row['error'][:200]} | | | | | | | | | |")
+      error = row["error"][-200:].replace("\n", " ").replace("|", "/")
+      lines.append(f"| {row['variant']} | failed: {error} | | | | | | | | | |")
       continue
     for budget in BUDGETS:
       c = row[f"budget {budget}"]
@@ -134,11 +149,13 @@ def main():
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
   parser.add_argument("--timeout-s", type=float, default=240.0, help="per variant")
   args = parser.parse_args()
+  # The variants run in child processes: this one must not hold most of the GPU's memory.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if jax.default_backend() != "gpu":
     raise SystemExit("step_overhead.py needs a CUDA GPU")
   rows = []
   for variant, flags in VARIANTS.items():
-    env = dict(os.environ, XLA_FLAGS=flags)
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
     try:
       child = subprocess.run([sys.executable, __file__, "--child", variant], env=env, capture_output=True, text=True,
                              timeout=args.timeout_s, check=False)

@@ -12,10 +12,11 @@ def bench():
 
 
 def test_per_step_summary_counts_overlaps_once_and_copies_apart(bench):
-  # Two steps: kernels 0-4000 and 3000-5000 (overlapping), 9000-10000; a device-to-host copy.
-  events = [(3000, 2000, "fusion_2"), (0, 4000, "fusion_1"), (9000, 1000, "loop_3"), (6000, 500, "MemcpyDtoH")]
+  # Two steps: kernels 0-4000 and 3000-5000 (overlapping), 9000-10000; a device-to-host copy, a memset.
+  events = [(3000, 2000, "fusion_2"), (0, 4000, "fusion_1"), (9000, 1000, "loop_3"), (6000, 500, "MemcpyDtoH"),
+            (11000, 100, "Memset")]
   got = bench.summarize(events, steps=2)
-  assert got == {"kernels_per_step": 1.5, "copies_per_step": 0.5, "busy_us_per_step": 3.0, "span_us_per_step": 5.0}
+  assert got == {"kernels_per_step": 1.5, "copies_per_step": 1.0, "busy_us_per_step": 3.0, "span_us_per_step": 5.0}
 
 
 def test_table_puts_each_cell_in_its_row_and_names_failed_variants(bench):
@@ -23,11 +24,12 @@ def test_table_puts_each_cell_in_its_row_and_names_failed_variants(bench):
                     "kernels_per_step": 300, "copies_per_step": 7, "busy_us_per_step": 250, "span_us_per_step": 650}
   result = {"device": "H200", "jax": "0.11.2", "argv": ["--out", "x"],
             "rows": [{"variant": "default", "budget 0": cell(662), "budget 16": cell(1400)},
-                     {"variant": "graphs from 1 op", "error": "exit 1: bad flag"}]}
+                     {"variant": "graphs from 1 op", "error": "exit 1: Traceback\nValueError: bad | flag"}]}
   table = bench.markdown(result)
   assert "| default | 0 | 662 | 1.500 | 0.900 | 0.700 | 0.600 | 300 | 7.0 | 250 | 650 |" in table
   assert "| default | 16 | 1400 |" in table
-  assert "| graphs from 1 op | failed: exit 1: bad flag |" in table
+  # A child's traceback stays on its row: no line breaks or column bars from it.
+  assert "| graphs from 1 op | failed: exit 1: Traceback ValueError: bad / flag |" in table
   assert "python3 benchmarks/step_overhead.py --out x" in table
 
 

@@ -104,7 +104,7 @@ def _causal_chunks(attend, queries, pool, prefix: int, rows: int, chunk: int):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's codegen; GPU GEMMs choose kernels by shape")
 def test_a_rows_output_does_not_depend_on_the_windows_length_on_the_cpu():
   """Bit for bit, a row's attention is the same in a window of 16 rows as in one of 32 (float32
-  inputs, the demo target's and drafter's widths): products in dot_general's own output order keep
+  inputs; MLA at the demo target's widths, MHA at the drafter's): products in dot_general's own order keep
   XLA:CPU's products row-invariant (scores laid out [B, N, Q, T] or [B, G, R, Q, T] did not: every
   row differed), so a chunked prefill's logits do not depend on the chunk size
   (`benchmarks/bf16_noise.py`). Smaller windows may still round differently (docs/bf16_near_ties.md)."""
