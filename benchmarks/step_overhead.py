@@ -17,7 +17,9 @@ the engine's greedy steps at budgets 0 and 16, batch 1, bf16 (5 held-out prompts
 
 Busy well below the step's wall time means the GPU waits for the host: launches (the layer scans'
 ``while`` loops run on the host unless XLA's command buffers take them in) or the engine's own
-reading. Writes ``step_overhead.{json,md}``.
+reading. The variant "default, read at collect" runs the engine as it was before 2026-12-07, its
+step's output copied to the host only when ``collect`` asks for it, beside the engine that starts
+that copy as it dispatches the step. Writes ``step_overhead.{json,md}``.
 """
 
 import argparse
@@ -40,10 +42,14 @@ from models import dflash, loading
 
 VARIANTS = {
     "default": "",
+    "default, read at collect": "",
     "command buffers off": "--xla_gpu_enable_command_buffer=",
     "+ while and conditional": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
     "graphs from 1 op": "--xla_gpu_graph_min_graph_size=1",
 }
+# The engine before 2026-12-07: the step's output copied to the host only when ``collect`` reads
+# it (``Batch.dispatch`` now starts the copy as it dispatches the step).
+READ_AT_COLLECT = "default, read at collect"
 BUDGETS = (0, 16)
 RAW_STEPS = 40
 TRACE_STEPS = 16
@@ -72,6 +78,9 @@ def trace_events(run):
 
 def measure(variant: str) -> dict:
   """One variant's cells (run in a child process with its XLA_FLAGS)."""
+  if variant == READ_AT_COLLECT:
+    from jax._src.array import ArrayImpl  # pylint: disable=import-outside-toplevel
+    ArrayImpl.copy_to_host_async = lambda self: None  # this child process only
   target = loading.load_kimi("kimi-demo", dtype="bfloat16")
   draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
   held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]

@@ -77,6 +77,37 @@ class StepOutput:
   experts_touched: jax.Array
 
 
+# The columns of a packed StepOutput after the Q of ``emitted``, in order.
+_PACKED_FIELDS = ("num_emitted", "num_accepted", "tree_size", "finished", "sibling_accepts", "experts_touched")
+
+
+def pack_output(out: StepOutput) -> jax.Array:
+  """int32[B, Q + 6]: ``emitted`` then one column per other field (``experts_touched`` on every row).
+
+  The host reads a step's output with one device-to-host copy: on the GPU each copy costs tens of
+  microseconds of host time and a wait, and a step's output was seven of them
+  (``benchmarks/results/step_overhead.md``).
+  """
+  rows = out.emitted.shape[0]
+  columns = [jnp.broadcast_to(getattr(out, name), (rows,)).astype(jnp.int32)[:, None] for name in _PACKED_FIELDS]
+  return jnp.concatenate([out.emitted.astype(jnp.int32), *columns], axis=1)
+
+
+def unpack_output(packed: np.ndarray) -> StepOutput:
+  """The StepOutput (numpy) that ``pack_output`` packed; ``packed``: int32[B, Q + 6]."""
+  q_len = packed.shape[1] - len(_PACKED_FIELDS)
+  fields = {name: packed[:, q_len + i] for i, name in enumerate(_PACKED_FIELDS)}
+  fields["finished"] = fields["finished"].astype(bool)
+  fields["experts_touched"] = fields["experts_touched"][0]
+  return StepOutput(emitted=packed[:, :q_len], **fields)
+
+
+def packed_step(*args, **kwargs):
+  """``speculative_step`` with its StepOutput packed for one host read (``pack_output``)."""
+  target_cache, drafter_state, decode, out = speculative_step(*args, **kwargs)
+  return target_cache, drafter_state, decode, pack_output(out)
+
+
 def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_state, decode: DecodeState,
                      slots, sampling: verify_lib.SamplingParams, stop_tokens, stop_valid, *,
                      drafter, policy: Callable, budget: int, top_k: int):
@@ -404,7 +435,7 @@ class SpeculativeDecoder:
     for bucket, budget in bar:
       bar.set_postfix(batch=bucket, budget=budget)
       fn = functools.partial(_on_leaves, functools.partial(
-          speculative_step, drafter=self.drafter, policy=self.policy, budget=budget, top_k=self.top_k),
+          packed_step, drafter=self.drafter, policy=self.policy, budget=budget, top_k=self.top_k),
                              self._params_def)
       stops = jax.ShapeDtypeStruct((bucket, self.max_stop_tokens), jnp.int32)
       self._build(("step", bucket, budget), fn, (1, 2, 3), self._params_leaves, self.target_cache,
@@ -685,6 +716,8 @@ class Batch:
     slot, token, active, self.decode = self.decoder._admit(  # pylint: disable=protected-access
         request.prompt, row, self.decode, request.sampling, request.stop_tokens[None], request.stop_valid[None],
         request.max_new_tokens)
+    token.copy_to_host_async()  # read by the next collect, as the step's output is
+    active.copy_to_host_async()
     request.slot, request.first = slot, (token, active)
     self.rows[row] = request
     self.slots[row] = slot
@@ -759,13 +792,18 @@ class Batch:
       d.check_budget(budget, self.bucket)  # raises, naming what was compiled
     d.target_cache, d.drafter_state, self.decode, out = step(
         d._params_leaves, d.target_cache, d.drafter_state, self.decode, *self._device_inputs)  # pylint: disable=protected-access
+    # Started now, the copy runs as soon as the step ends, so ``collect`` finds the tokens on
+    # the host instead of waiting for a copy that it asks for only then (on the GPU that wait
+    # was most of a batch-1 step: benchmarks/results/step_overhead.md).
+    out.copy_to_host_async()
     return budget, out, list(self.rows), self.slots.copy(), time.perf_counter() - host_t0
 
   def collect(self, handle) -> StepStats:
     """Reads a dispatched step's tokens (waiting for it), finishes and releases requests."""
     budget, out, rows, slots, host_time = handle
     firsts = {row: r.first for row, r in enumerate(rows) if r is not None and r.first is not None}
-    host, firsts = jax.device_get((out, firsts))
+    packed, firsts = jax.device_get((out, firsts))
+    host = unpack_output(packed)
     ready = time.perf_counter()
     stats = StepStats(budget=budget, accepted=[], tree_size=[], sibling_accepts=[],
                       step_time=ready - self._last_ready, host_time=host_time,

@@ -325,6 +325,48 @@ def test_statistics_report_host_share_and_tree_sizes(model, prompts, reference):
   assert sum(len(t) for t in result.tokens) == 3 * 24
 
 
+def test_packed_step_output_unpacks_to_every_field():
+  rng = np.random.default_rng(0)
+  out = engine.StepOutput(emitted=jnp.asarray(rng.integers(0, 2**31 - 1, (3, 9)), jnp.int32),
+                          num_emitted=jnp.asarray([0, 9, 4], jnp.int32), num_accepted=jnp.asarray([0, 8, 3], jnp.int32),
+                          tree_size=jnp.asarray([1, 9, 6], jnp.int32), finished=jnp.asarray([False, True, False]),
+                          sibling_accepts=jnp.asarray([0, 2, 1], jnp.int32), experts_touched=jnp.asarray(37, jnp.int32))
+  packed = jax.jit(engine.pack_output)(out)
+  assert packed.shape == (3, 9 + 6) and packed.dtype == jnp.int32
+  back = engine.unpack_output(np.asarray(packed))
+  for field in ("emitted", "num_emitted", "num_accepted", "tree_size", "sibling_accepts"):
+    np.testing.assert_array_equal(getattr(back, field), np.asarray(getattr(out, field)), err_msg=field)
+  assert back.finished.dtype == bool and back.finished.tolist() == [False, True, False]
+  assert int(back.experts_touched) == 37
+
+
+def test_each_step_output_is_one_array_whose_copy_starts_at_dispatch(model, prompts, reference, monkeypatch):
+  """The host reads a step with one device-to-host copy, started when the step is dispatched (on
+  the GPU, asked for only at ``collect`` it cost a batch-1 step a third of its time)."""
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)  # the statistics test's
+  started, inside = [], []  # copies asked for; the Batch method running (collect's reads ask too)
+  array_type = type(jnp.zeros(1))
+  original_copy = array_type.copy_to_host_async
+  monkeypatch.setattr(array_type, "copy_to_host_async",
+                      lambda a: (started.append((inside[-1] if inside else None, a.shape, a.dtype)), original_copy(a))[1])
+  for name in ("dispatch", "admit"):
+    def traced(self, *args, _name=name, _original=getattr(engine.Batch, name)):
+      inside.append(_name)
+      try:
+        return _original(self, *args)
+      finally:
+        inside.pop()
+    monkeypatch.setattr(engine.Batch, name, traced)
+  result = dec.generate(prompts, 24, stop_token_ids=[])
+  # One copy a dispatched step: every collected step, plus one dispatched while the last requests
+  # finished (nothing to read there).
+  at_dispatch = [c for c in started if c[0] == "dispatch"]
+  assert set(at_dispatch) == {("dispatch", (3, 9 + 6), np.dtype(np.int32))}
+  assert len(result.steps) <= len(at_dispatch) <= len(result.steps) + 1
+  # Each admission's first token and its still-active flag, one element each.
+  assert [c[1] for c in started if c[0] == "admit"] == [(1,)] * (2 * len(prompts))
+
+
 def test_more_requests_than_rows_join_as_others_leave(model, prompts, reference):
   """Continuous batching: 3 requests through a bucket of 2 rows, with different lengths."""
   dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 2)
