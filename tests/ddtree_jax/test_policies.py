@@ -143,6 +143,23 @@ def test_ddtree_jit_equals_eager():
   assert np.asarray(jitted.valid).sum(1).tolist() == [9, 9, 1]
 
 
+def test_ddtree_looped_level_scan_equals_the_unrolled_one(monkeypatch):
+  """``benchmarks/level_unroll.py`` times the two forms of the layered search; they must be one
+  function."""
+  rng = np.random.default_rng(12)
+  kinds = ("normal", "peaked", "decimal", "flat")
+  lp = np.stack([_logprobs(rng, kind, n_levels=6, k=12) for kind in kinds])
+  args = (jnp.arange(4), jnp.array([0, 5, 9, 2]), _ids(rng, 4, n_levels=6, k=12), lp)
+  caps = jnp.array([6, 3, 1, 0], jnp.int32)
+  trees = []
+  for unroll in (True, 1):
+    monkeypatch.setattr(P, "LEVEL_SCAN_UNROLL", unroll)
+    trees.append(jax.jit(lambda *a: P.ddtree(*a, budget=12, max_depth=caps))(*args))  # a fresh trace each
+  for a, b in zip(jax.tree.leaves(trees[0]), jax.tree.leaves(trees[1])):
+    np.testing.assert_array_equal(a, b)
+  assert np.asarray(trees[0].valid).sum(1).tolist()[2:] == [13, 1]  # cap 1: 12 of the depth-1 candidates
+
+
 @pytest.mark.parametrize("policy", ["ddtree", "beam", "chain", "static"])
 def test_budget_zero_is_root_only(policy):
   rng = np.random.default_rng(0)
