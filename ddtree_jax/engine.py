@@ -84,9 +84,9 @@ _PACKED_FIELDS = ("num_emitted", "num_accepted", "tree_size", "finished", "sibli
 def pack_output(out: StepOutput) -> jax.Array:
   """int32[B, Q + 6]: ``emitted`` then one column per other field (``experts_touched`` on every row).
 
-  The host reads a step's output with one device-to-host copy: on the GPU each copy costs tens of
-  microseconds of host time and a wait, and a step's output was seven of them
-  (``benchmarks/results/step_overhead.md``).
+  The host reads a step's output with one device-to-host copy instead of seven: on the GPU a copy
+  asked for when the host reads took hundreds of microseconds to come back, even of an array long
+  computed (``docs/engine_step.md``).
   """
   rows = out.emitted.shape[0]
   columns = [jnp.broadcast_to(getattr(out, name), (rows,)).astype(jnp.int32)[:, None] for name in _PACKED_FIELDS]
@@ -794,7 +794,7 @@ class Batch:
         d._params_leaves, d.target_cache, d.drafter_state, self.decode, *self._device_inputs)  # pylint: disable=protected-access
     # Started now, the copy runs as soon as the step ends, so ``collect`` finds the tokens on
     # the host instead of waiting for a copy that it asks for only then (on the GPU that wait
-    # was most of a batch-1 step: benchmarks/results/step_overhead.md).
+    # was a third of a batch-1 plain-decoding step: docs/engine_step.md).
     out.copy_to_host_async()
     return budget, out, list(self.rows), self.slots.copy(), time.perf_counter() - host_t0
 
