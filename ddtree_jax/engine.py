@@ -794,7 +794,7 @@ class Batch:
         d._params_leaves, d.target_cache, d.drafter_state, self.decode, *self._device_inputs)  # pylint: disable=protected-access
     # Started now, the copy runs as soon as the step ends, so ``collect`` finds the tokens on
     # the host instead of waiting for a copy that it asks for only then (on the GPU that wait
-    # was a third of a batch-1 plain-decoding step: docs/engine_step.md).
+    # was 40-50% of a batch-1 plain-decoding step: docs/engine_step.md).
     out.copy_to_host_async()
     return budget, out, list(self.rows), self.slots.copy(), time.perf_counter() - host_t0
 

@@ -342,7 +342,7 @@ def test_packed_step_output_unpacks_to_every_field():
 
 def test_each_step_output_is_one_array_whose_copy_starts_at_dispatch(model, prompts, reference, monkeypatch):
   """The host reads a step with one device-to-host copy, started when the step is dispatched (on
-  the GPU, asked for only at ``collect`` it cost a batch-1 step a third of its time)."""
+  the GPU, asked for only at ``collect`` it cost a batch-1 step 40-50% of its time)."""
   dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)  # the statistics test's
   started, inside = [], []  # copies asked for; the Batch method running (collect's reads ask too)
   array_type = type(jnp.zeros(1))
