@@ -809,6 +809,12 @@ class Batch:
                       step_time=ready - self._last_ready, host_time=host_time,
                       experts_touched=int(host.experts_touched))
     self._last_ready = ready
+    # Python lists, one conversion a field: per-element numpy reads cost a large batch's host
+    # ~1 ms a step on a 2-core CPU, half of it in one commit call a row.
+    emitted, num_emitted, num_accepted, tree_size, sibling_accepts, finished = (
+        getattr(host, name).tolist() for name in ("emitted", "num_emitted", "num_accepted", "tree_size",
+                                                  "sibling_accepts", "finished"))
+    live = []  # (row, request) whose step output counts
     for row, request in enumerate(rows):
       if request is None or request.finished:  # an empty row, or one cancelled since the dispatch
         continue
@@ -820,15 +826,18 @@ class Batch:
           request.finish()
           self._leave(request)
           continue
-      self.decoder.pool.record_commit([request.slot], [host.num_accepted[row]])
-      n = int(host.num_emitted[row])
+      live.append((row, request))
+    # Before any request below leaves: leaving frees its slot's length.
+    self.decoder.pool.record_commit([r.slot for _, r in live], [num_accepted[row] for row, _ in live])
+    for row, request in live:
+      n = num_emitted[row]
       if n == 0:
         continue
-      request.tokens.extend(int(t) for t in host.emitted[row, :n])
-      stats.accepted.append(int(host.num_accepted[row]))
-      stats.tree_size.append(int(host.tree_size[row]))
-      stats.sibling_accepts.append(int(host.sibling_accepts[row]))
-      if host.finished[row]:
+      request.tokens.extend(emitted[row][:n])
+      stats.accepted.append(num_accepted[row])
+      stats.tree_size.append(tree_size[row])
+      stats.sibling_accepts.append(sibling_accepts[row])
+      if finished[row]:
         request.finish()
         self._leave(request)
     stats.host_time += time.perf_counter() - ready

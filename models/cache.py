@@ -180,5 +180,5 @@ class SlotPool:
     return starts
 
   def record_commit(self, slots, num_committed) -> None:
-    slots = np.asarray(slots)
-    self.lengths[slots] += np.asarray(num_committed)
+    slots = np.asarray(slots, np.int64)  # an empty list is float64 to numpy
+    self.lengths[slots] += np.asarray(num_committed, self.lengths.dtype)
