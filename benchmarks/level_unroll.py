@@ -42,14 +42,7 @@ def measure(decoder, prompts, bucket: int, new_tokens: int) -> dict:
   jax.block_until_ready(handle[1])
   row["raw_step_ms"] = 1e3 * (time.perf_counter() - t0) / RAW_STEPS
   if jax.default_backend() == "gpu":
-    def engine_steps():  # as the engine runs them: dispatch the next step, then read the last
-      pending = batch.dispatch(BUDGET)
-      for _ in range(TRACE_STEPS - 1):
-        pending, last = batch.dispatch(BUDGET), pending
-        batch.collect(last)
-      batch.collect(pending)
-    _, events = step_overhead.trace_events(engine_steps)
-    row.update(step_overhead.summarize(events, TRACE_STEPS))
+    row.update(step_overhead.summarize(step_overhead.trace_engine_steps(batch, BUDGET, TRACE_STEPS), TRACE_STEPS))
   batch.close()
   return row
 

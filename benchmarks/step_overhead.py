@@ -76,6 +76,18 @@ def trace_events(run):
                   if "Stream" in line.name or "Memcpy" in line.name]
 
 
+def trace_engine_steps(batch, budget: int, steps: int):
+  """Device events of ``steps`` steps of ``batch`` run as the engine runs them: dispatch the next
+  step, then read the last."""
+  def run():
+    pending = batch.dispatch(budget)
+    for _ in range(steps - 1):
+      pending, last = batch.dispatch(budget), pending
+      batch.collect(last)
+    batch.collect(pending)
+  return trace_events(run)[1]
+
+
 def measure(variant: str) -> dict:
   """One variant's cells (run in a child process with its XLA_FLAGS)."""
   if variant == READ_AT_COLLECT:
@@ -115,15 +127,7 @@ def measure(variant: str) -> dict:
     raw_step_s = (time.perf_counter() - start) / RAW_STEPS
     batch.close()
     batch = fresh_batch(budget)
-
-    def engine_steps():  # as the engine runs them: dispatch the next step, then read the last
-      pending = batch.dispatch(budget)
-      for _ in range(TRACE_STEPS - 1):
-        pending, last = batch.dispatch(budget), pending
-        batch.collect(last)
-      batch.collect(pending)
-
-    _, events = trace_events(engine_steps)
+    events = trace_engine_steps(batch, budget, TRACE_STEPS)
     batch.close()
     row[f"budget {budget}"] = {
         "tokens_per_s": tokens / seconds, "step_ms": 1e3 * float(np.median([s.step_time for s in steps])),
