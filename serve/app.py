@@ -369,7 +369,7 @@ async def _stream(events, eng: Engine, job: Job, reply: "_Reply", first: Event, 
         finished = True
         break
       if event.text or event.finish_reason:
-        yield _sse(reply.chunk(event.text, event.finish_reason, token_ids=event.token_ids))
+        yield _sse(reply.chunk(event.text, event.finish_reason, event=event))
       if event.finish_reason is not None:
         finished = True
         if reply.body.include_usage:
@@ -414,20 +414,20 @@ class _Reply:
     else:
       choice["text"] = text
     if self.body.return_token_ids:
-      choice["token_ids"] = list(last.token_ids)
+      choice["token_ids"] = last.token_ids()
     return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(last)}
 
-  def chunk(self, text: str, finish_reason: str | None, *, role: bool = False, token_ids=()) -> dict:
+  def chunk(self, text: str, finish_reason: str | None, *, role: bool = False, event: Event | None = None) -> dict:
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
     if self.chat:
       choice["delta"] = ({"role": "assistant", "content": text} if role else
                          ({"content": text} if text else {}))
     else:
       choice["text"] = text
-    if self.body.return_token_ids and token_ids:
-      choice["token_ids"] = list(token_ids[self._sent_token_ids:])
-      self._sent_token_ids = len(token_ids)
+    if self.body.return_token_ids and event is not None and event.completion_tokens:
+      choice["token_ids"] = event.token_ids(self._sent_token_ids)
+      self._sent_token_ids = event.completion_tokens
     out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
            "created": self.created, "model": self.model, "choices": [choice]}
     if self.body.include_usage:

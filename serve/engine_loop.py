@@ -138,9 +138,16 @@ class Event:
 
   text: str = ""
   completion_tokens: int = 0
-  token_ids: tuple = ()
   finish_reason: str | None = None
   error: str | None = None
+  # The request's own token list, not a copy: the engine only ever appends to it, so its first
+  # ``completion_tokens`` ids stay this event's. Copying them into every event cost a request
+  # O(its length) a step.
+  tokens: Sequence[int] = ()
+
+  def token_ids(self, start: int = 0) -> list[int]:
+    """The event's token ids from index ``start`` on (all of them by default)."""
+    return list(self.tokens[start:self.completion_tokens])
 
 
 @dataclasses.dataclass(eq=False)
@@ -397,7 +404,7 @@ class EngineLoop:
       elif finished:
         self._finish(job, text=text, reason=request.finish_reason)
       elif text:
-        job.sink(Event(text=text, completion_tokens=len(tokens), token_ids=tuple(tokens)))
+        job.sink(Event(text=text, completion_tokens=len(tokens), tokens=tokens))
 
   @staticmethod
   def _stop_ids(request: engine.Request) -> set:
@@ -411,9 +418,9 @@ class EngineLoop:
     self._jobs.pop(job.request, None)
     if job.counted:
       self.metrics.finished.labels(reason or "error").inc()
-    tokens = job.request.tokens[:num_tokens]
-    job.sink(Event(text=text, completion_tokens=len(tokens), token_ids=tuple(tokens), finish_reason=reason,
-                   error=error))
+    tokens = job.request.tokens
+    count = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
+    job.sink(Event(text=text, completion_tokens=count, tokens=tokens, finish_reason=reason, error=error))
 
   def _caches_usable(self, with_decode: bool = False) -> bool:
     """False if a failure deleted the caches (donation) or left them holding an error; with

@@ -182,6 +182,13 @@ def test_stop_string_gives_the_same_tokens_and_usage_with_and_without_speculatio
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"] == text[:text.find(stop)]
     assert spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
     assert spec["usage"] == plain["usage"] and spec["choices"][0]["finish_reason"] == "stop"
+    # Streamed, the chunks' ids add up to the same ids: none past the stop string.
+    streamed = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+          streamed += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    assert streamed == spec["choices"][0]["token_ids"]
     # The stop string completed by the very last allowed token still reports "stop".
     body.update(max_tokens=spec["usage"]["completion_tokens"])
     last = httpx.post(server.url + "/v1/completions", json=body).json()
