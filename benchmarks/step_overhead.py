@@ -17,9 +17,13 @@ the engine's greedy steps at budgets 0 and 16, batch 1, bf16 (5 held-out prompts
 
 Busy well below the step's wall time means the GPU waits for the host: launches (the layer scans'
 ``while`` loops run on the host unless XLA's command buffers take them in) or the engine's own
-reading. The variant "default, read at collect" runs the engine as it was before 2026-12-07, its
-step's output copied to the host only when ``collect`` asks for it, beside the engine that starts
-that copy as it dispatches the step. Writes ``step_overhead.{json,md}``.
+reading. The variant "default, read at collect" turns off the copy that ``Batch.dispatch`` starts
+(2026-12-07), so the step's packed output is copied only when ``collect`` asks for it, beside the
+engine that starts that copy as it dispatches the step. (It does so by making jax's
+``copy_to_host_async`` a no-op in its process, so ``device_get`` cannot start several arrays'
+copies together either: a step that also reads admitted requests' first tokens reads them one
+after another, a slightly pessimistic baseline.) The engine before that change, with seven
+output arrays, is in ``results/step_overhead_before_*.md``. Writes ``step_overhead.{json,md}``.
 """
 
 import argparse
@@ -47,8 +51,8 @@ VARIANTS = {
     "+ while and conditional": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
     "graphs from 1 op": "--xla_gpu_graph_min_graph_size=1",
 }
-# The engine before 2026-12-07: the step's output copied to the host only when ``collect`` reads
-# it (``Batch.dispatch`` now starts the copy as it dispatches the step).
+# The packed step output copied to the host only when ``collect`` reads it (``Batch.dispatch``
+# starts that copy as it dispatches the step since 2026-12-07).
 READ_AT_COLLECT = "default, read at collect"
 BUDGETS = (0, 16)
 RAW_STEPS = 40
