@@ -44,7 +44,7 @@ def run(args, out: Path):
   max_len = max(len(p) for p in prompts) + args.max_new_tokens + max(args.budgets) + 1
   buckets = (1, args.batch)
   common = dict(batch_buckets=buckets, max_len=max_len, num_slots=args.batch, show_progress=False)
-  results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "python": platform.python_version(),
+  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
              "dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
              "batch_sizes": list(buckets), "argv": sys.argv[1:], "rows": []}
 
