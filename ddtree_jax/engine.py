@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from ddtree_jax import logprobs as logprobs_lib
 from ddtree_jax import policies
 from ddtree_jax import tree as tree_lib
 from ddtree_jax import verify as verify_lib
@@ -66,6 +67,8 @@ class StepOutput:
     sibling_accepts: int32, accepted draft tokens that were not their position's rank-0 candidate
       (what a tree recovers and a chain cannot).
     experts_touched: int32 scalar, distinct (layer, expert) pairs the verify forward used.
+    logprobs: the emitted tokens' log-probabilities ``[B, Q]`` and their alternatives, or None
+      when the engine computes none (``SpeculativeDecoder(logprobs=...)``).
   """
 
   emitted: jax.Array
@@ -75,6 +78,7 @@ class StepOutput:
   finished: jax.Array
   sibling_accepts: jax.Array
   experts_touched: jax.Array
+  logprobs: logprobs_lib.TokenLogprobs | None = None
 
 
 # The columns of a packed StepOutput after the Q of ``emitted``, in order.
@@ -82,7 +86,8 @@ _PACKED_FIELDS = ("num_emitted", "num_accepted", "tree_size", "finished", "sibli
 
 
 def pack_output(out: StepOutput) -> jax.Array:
-  """int32[B, Q + 6]: ``emitted`` then one column per other field (``experts_touched`` on every row).
+  """int32[B, W]: ``emitted`` (Q columns), then the log-probabilities if any (``_pack_logprobs``:
+  Q (1 + 2n) columns), then one column per other field (``experts_touched`` on every row).
 
   The host reads a step's output with one device-to-host copy instead of seven: on the GPU a copy
   asked for when the host reads took hundreds of microseconds to come back, even of an array long
@@ -90,16 +95,37 @@ def pack_output(out: StepOutput) -> jax.Array:
   """
   rows = out.emitted.shape[0]
   columns = [jnp.broadcast_to(getattr(out, name), (rows,)).astype(jnp.int32)[:, None] for name in _PACKED_FIELDS]
-  return jnp.concatenate([out.emitted.astype(jnp.int32), *columns], axis=1)
+  lp = [] if out.logprobs is None else _pack_logprobs(out.logprobs)
+  return jnp.concatenate([out.emitted.astype(jnp.int32), *lp, *columns], axis=1)
 
 
-def unpack_output(packed: np.ndarray) -> StepOutput:
-  """The StepOutput (numpy) that ``pack_output`` packed; ``packed``: int32[B, Q + 6]."""
-  q_len = packed.shape[1] - len(_PACKED_FIELDS)
-  fields = {name: packed[:, q_len + i] for i, name in enumerate(_PACKED_FIELDS)}
+def unpack_output(packed: np.ndarray, top_n: int | None = None) -> StepOutput:
+  """The StepOutput (numpy) that ``pack_output`` packed; ``top_n``: the engine's ``logprobs``
+  (None: the step computed none)."""
+  width = packed.shape[1] - len(_PACKED_FIELDS)
+  q_len = width if top_n is None else width // (2 + 2 * top_n)
+  fields = {name: packed[:, width + i] for i, name in enumerate(_PACKED_FIELDS)}
   fields["finished"] = fields["finished"].astype(bool)
   fields["experts_touched"] = fields["experts_touched"][0]
-  return StepOutput(emitted=packed[:, :q_len], **fields)
+  lp = None if top_n is None else _unpack_logprobs(packed[:, q_len:width], q_len, top_n)
+  return StepOutput(emitted=packed[:, :q_len], logprobs=lp, **fields)
+
+
+def _pack_logprobs(lp: logprobs_lib.TokenLogprobs) -> list:
+  """int32 columns: the tokens' float32 log-probabilities bit for bit, the alternatives' ids, their
+  log-probabilities (Q, Q n and Q n columns)."""
+  rows = lp.token.shape[0]
+  as_bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32).reshape(rows, -1)
+  return [as_bits(lp.token), lp.top_ids.reshape(rows, -1).astype(jnp.int32), as_bits(lp.top)]
+
+
+def _unpack_logprobs(columns: np.ndarray, q_len: int, top_n: int) -> logprobs_lib.TokenLogprobs:
+  rows = columns.shape[0]
+  columns = np.ascontiguousarray(columns)
+  token = columns[:, :q_len].view(np.float32)
+  top_ids = columns[:, q_len:q_len * (1 + top_n)].reshape(rows, q_len, top_n)
+  top = columns[:, q_len * (1 + top_n):].view(np.float32).reshape(rows, q_len, top_n)
+  return logprobs_lib.TokenLogprobs(token=token, top_ids=top_ids, top=top)
 
 
 def packed_step(*args, **kwargs):
@@ -110,22 +136,24 @@ def packed_step(*args, **kwargs):
 
 def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_state, decode: DecodeState,
                      slots, sampling: verify_lib.SamplingParams, stop_tokens, stop_valid, *,
-                     drafter, policy: Callable, budget: int, top_k: int):
+                     drafter, policy: Callable, budget: int, top_k: int, logprobs: int | None = None):
   """One draft -> tree -> verify -> accept -> commit step for a batch of rows.
 
   Args:
     slots: int32[B] cache slots (the scratch slot for rows without a request).
     stop_tokens: int32[B, S] with stop_valid: bool[B, S].
+    logprobs: None, or the alternatives per emitted token whose log-probabilities the step
+      returns with the tokens' own (``ddtree_jax.logprobs``).
   Returns:
     (target_cache, drafter_state, decode, StepOutput).
   """
   start = target_cache.lengths[slots]
   active = decode.active
   if budget > 0:
-    ids, logprobs = drafter.propose(drafter_params, drafter_state, slots, decode.root, start, top_k)
+    ids, draft_logprobs = drafter.propose(drafter_params, drafter_state, slots, decode.root, start, top_k)
     max_depth = jnp.where(active, jnp.clip(decode.remaining - 1, 0, drafter.num_positions), 0)
     try:
-      drafted = policy(decode.root, start, ids, logprobs, budget, max_depth)
+      drafted = policy(decode.root, start, ids, draft_logprobs, budget, max_depth)
     except EngineError:
       raise
     except Exception as err:  # pylint: disable=broad-except  # traced when the step compiles
@@ -166,7 +194,9 @@ def speculative_step(target: KimiModel, drafter_params, target_cache, drafter_st
   out = StepOutput(emitted=result.emitted, num_emitted=num_emitted, num_accepted=num_commit,
                    tree_size=jnp.sum(tree.valid, axis=1).astype(jnp.int32), finished=finished,
                    sibling_accepts=sibling_accepts.astype(jnp.int32),
-                   experts_touched=jnp.sum(expert_load > 0).astype(jnp.int32))
+                   experts_touched=jnp.sum(expert_load > 0).astype(jnp.int32),
+                   logprobs=None if logprobs is None else logprobs_lib.token_logprobs(
+                       logits, result.accepted_nodes, result.emitted, logprobs))
   return target_cache, drafter_state, decode, out
 
 
@@ -207,12 +237,28 @@ def prefill_step(target: KimiModel, drafter_params, target_cache, drafter_state,
   return target_cache, drafter_state, out.logits[:, 0]
 
 
-def first_token(logits, position, sampling, stop_tokens, stop_valid, remaining):
-  """The target's own first token after a prompt, and whether it already ends the request."""
+def first_token(logits, position, sampling, stop_tokens, stop_valid, remaining, *, logprobs: int | None = None):
+  """The target's own first token after a prompt, and whether it already ends the request.
+
+  Returns:
+    (row DecodeState, int32[1, 2 + (1 + 2 logprobs)]: the token, whether the request goes on, then
+    the token's log-probabilities packed as ``pack_output`` packs them), the second read by the
+    host with one copy (``unpack_first``).
+  """
   token = verify_lib.draw_tokens(logits[:, None, :], position[:, None], sampling)[:, 0]
   is_stop = jnp.any((stop_tokens == token[:, None]) & stop_valid, axis=1)
   active = ~is_stop & (remaining > 1)
-  return token, DecodeState(root=token, active=active, remaining=remaining - 1)
+  columns = [token[:, None], active.astype(jnp.int32)[:, None]]
+  if logprobs is not None:
+    nodes = jnp.zeros((token.shape[0], 1), jnp.int32)
+    columns += _pack_logprobs(logprobs_lib.token_logprobs(logits[:, None, :], nodes, token[:, None], logprobs))
+  return DecodeState(root=token, active=active, remaining=remaining - 1), jnp.concatenate(columns, axis=1)
+
+
+def unpack_first(packed: np.ndarray, top_n: int | None = None):
+  """(token, goes on, TokenLogprobs of one token or None) from ``first_token``'s packed row."""
+  lp = None if top_n is None else _unpack_logprobs(packed[:, 2:], 1, top_n)
+  return int(packed[0, 0]), bool(packed[0, 1]), lp
 
 
 def _on_leaves(fn, params_def, params_leaves, *args):
@@ -274,6 +320,8 @@ class GenerateResult:
   finish_reasons: list  # per prompt: "stop" or "length"
   prefill_time: float
   decode_time: float
+  # Per prompt, one logprobs.TokenLogprob per generated token; None unless the decoder computes them.
+  logprobs: list | None = None
 
   @property
   def mean_accepted_length(self) -> float:
@@ -317,6 +365,11 @@ class SpeculativeDecoder:
     prefill_chunk: prompt chunk size (one compiled prefill per chunk size).
     compile_cache_dir: jax's persistent compilation cache directory (None: leave as configured).
     max_stop_tokens: stop ids per request the compiled step accepts.
+    logprobs: None (the default) computes no log-probabilities; n >= 0 makes every step return
+      each emitted token's log-probability under the target and its node's n most likely tokens
+      with theirs (``ddtree_jax.logprobs``; requests read them from ``Request.logprobs``). Static:
+      it is compiled into the steps, and costs a logsumexp over the vocabulary per tree node, and
+      a top-n per emitted token when n > 0.
     eager: run the step functions uncompiled (for ``jax.disable_jit()`` comparisons).
   """
 
@@ -324,7 +377,7 @@ class SpeculativeDecoder:
                policy_options: dict | None = None, budgets: Sequence[int] = (0, 8),
                batch_buckets: Sequence[int] = (1,), bucket_budgets: dict | None = None, max_len: int = 1024, num_slots: int | None = None,
                prefill_chunk: int = 64, compile_cache_dir: str | None = None, max_stop_tokens: int = 4,
-               show_progress: bool = True, eager: bool = False):
+               logprobs: int | None = None, show_progress: bool = True, eager: bool = False):
     if compile_cache_dir:
       jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir))
     self.target = target
@@ -371,6 +424,11 @@ class SpeculativeDecoder:
     if isinstance(max_stop_tokens, bool) or not isinstance(max_stop_tokens, int) or max_stop_tokens < 1:
       raise EngineError(f"max_stop_tokens={max_stop_tokens!r} must be an int >= 1 (the default stop is EOS)")
     self.max_stop_tokens = max_stop_tokens
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                 or not 0 <= logprobs <= self.cfg.vocab_size):
+      raise EngineError(f"logprobs={logprobs!r} must be None (none computed) or an int in [0, vocab size "
+                        f"{self.cfg.vocab_size}]: the alternatives returned per token")
+    self.logprobs = None if logprobs is None else int(logprobs)
     # Candidates per position: a budget-N policy may pick up to rank N - 1 at one position.
     self.top_k = max(1, min(max(self.budgets), self.cfg.vocab_size))
     self.pool = cache_lib.SlotPool(self.num_slots, max_len)
@@ -435,7 +493,8 @@ class SpeculativeDecoder:
     for bucket, budget in bar:
       bar.set_postfix(batch=bucket, budget=budget)
       fn = functools.partial(_on_leaves, functools.partial(
-          packed_step, drafter=self.drafter, policy=self.policy, budget=budget, top_k=self.top_k),
+          packed_step, drafter=self.drafter, policy=self.policy, budget=budget, top_k=self.top_k,
+          logprobs=self.logprobs),
                              self._params_def)
       stops = jax.ShapeDtypeStruct((bucket, self.max_stop_tokens), jnp.int32)
       self._build(("step", bucket, budget), fn, (1, 2, 3), self._params_leaves, self.target_cache,
@@ -447,7 +506,7 @@ class SpeculativeDecoder:
                 self.target_cache, self.drafter_state,
                 jax.ShapeDtypeStruct((1, self.prefill_chunk), jnp.int32), one(jnp.int32), one(jnp.int32))
     stops = jax.ShapeDtypeStruct((1, self.max_stop_tokens), jnp.int32)
-    self._build("first", first_token, (), jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32),
+    self._build("first", functools.partial(first_token, logprobs=self.logprobs), (), jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32),
                 one(jnp.int32), self._sampling_spec(1), stops, jax.ShapeDtypeStruct(stops.shape, jnp.bool_),
                 one(jnp.int32))
     for bucket in self.batch_buckets:
@@ -541,7 +600,7 @@ class SpeculativeDecoder:
              max_new_tokens: int):
     """Prefills one request into a fresh slot and places it at ``row`` of the batch state.
 
-    Returns (slot, first token int32[1], still active bool[1], decode), all on the device: nothing
+    Returns (slot, first token's packed row (``first_token``), decode), all on the device: nothing
     here waits for the device.
     """
     slot = self.pool.allocate()
@@ -566,10 +625,10 @@ class SpeculativeDecoder:
           self._params_leaves, self.target_cache, self.drafter_state, tokens,
           np.asarray([len(piece)], np.int32), slot_dev)
     self.pool.record_commit([slot], [len(prompt)])
-    token, row_state = self._aux["first"](logits, np.asarray([len(prompt) - 1], np.int32), sampling_row,
+    row_state, first = self._aux["first"](logits, np.asarray([len(prompt) - 1], np.int32), sampling_row,
                                           stop_row, stop_valid_row, np.asarray([max_new_tokens], np.int32))
     decode = self._aux[("set_row", decode.root.shape[0])](decode, np.asarray([row], np.int32), row_state)
-    return token, row_state.active, decode
+    return first, decode
 
   # ---- generation --------------------------------------------------------------------------
   def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=None,
@@ -641,7 +700,8 @@ class SpeculativeDecoder:
       batch.close()
     return GenerateResult(tokens=[r.tokens for r in requests], steps=steps,
                           finish_reasons=[r.finish_reason for r in requests], prefill_time=prefill_time,
-                          decode_time=time.perf_counter() - t_start - prefill_time)
+                          decode_time=time.perf_counter() - t_start - prefill_time,
+                          logprobs=None if self.logprobs is None else [r.logprobs for r in requests])
 
 
 @dataclasses.dataclass(eq=False)
@@ -654,13 +714,16 @@ class Request:
   stop_tokens: np.ndarray  # int32[max_stop_tokens]
   stop_valid: np.ndarray  # bool[max_stop_tokens]
   tokens: list = dataclasses.field(default_factory=list)
+  # One logprobs.TokenLogprob per token of ``tokens`` when the decoder computes them, else empty.
+  logprobs: list = dataclasses.field(default_factory=list)
   # "stop" or "length" once finished; "cancelled" when ``Batch.cancel`` ended it (a caller may
   # pass its own reason, for example "stop" for a stop string the host found).
   finish_reason: str | None = None
   slot: int | None = None  # its cache slot while it runs
-  # The first token and whether the request goes on after it, on the device until the first
-  # ``collect`` that covers the request reads them (admission never waits for the device).
-  first: tuple | None = None
+  # The first token, whether the request goes on after it and the token's logprobs (packed by
+  # ``first_token``), on the device until the first ``collect`` that covers the request reads it
+  # (admission never waits for the device).
+  first: jax.Array | None = None
 
   @property
   def finished(self) -> bool:
@@ -713,18 +776,17 @@ class Batch:
     if not free:
       raise EngineError(f"no free row: all {self.bucket} rows of the batch are running (admit after one leaves)")
     row = free[0]
-    slot, token, active, self.decode = self.decoder._admit(  # pylint: disable=protected-access
+    slot, first, self.decode = self.decoder._admit(  # pylint: disable=protected-access
         request.prompt, row, self.decode, request.sampling, request.stop_tokens[None], request.stop_valid[None],
         request.max_new_tokens)
-    request.slot, request.first = slot, (token, active)
+    request.slot, request.first = slot, first
     self.rows[row] = request
     self.slots[row] = slot
     for field in ("temperature", "top_k", "top_p", "seed"):
       getattr(self.sampling, field)[row] = getattr(request.sampling, field)[0]
     self.stop_tokens[row], self.stop_valid[row] = request.stop_tokens, request.stop_valid
     self._device_inputs = None
-    token.copy_to_host_async()  # read by the next collect, as a step's output is
-    active.copy_to_host_async()
+    first.copy_to_host_async()  # read by the next collect, as a step's output is
 
   def _leave(self, request: Request) -> None:
     """Frees the request's row and slot (it has finished or was cancelled)."""
@@ -803,7 +865,8 @@ class Batch:
     budget, out, rows, slots, host_time = handle
     firsts = {row: r.first for row, r in enumerate(rows) if r is not None and r.first is not None}
     packed, firsts = jax.device_get((out, firsts))
-    host = unpack_output(packed)
+    top_n = self.decoder.logprobs
+    host = unpack_output(packed, top_n)
     ready = time.perf_counter()
     stats = StepStats(budget=budget, accepted=[], tree_size=[], sibling_accepts=[],
                       step_time=ready - self._last_ready, host_time=host_time,
@@ -820,10 +883,12 @@ class Batch:
       if request is None or request.finished:  # an empty row, or one cancelled since the dispatch
         continue
       if row in firsts:
-        token, active = firsts[row]
+        token, active, first_lp = unpack_first(firsts[row], top_n)
         request.first = None
-        request.tokens.append(int(token[0]))
-        if not active[0]:  # the first token ended it; the row was inactive in this step
+        request.tokens.append(token)
+        if first_lp is not None:
+          request.logprobs.extend(logprobs_lib.host_entries(first_lp, 0, 1))
+        if not active:  # the first token ended it; the row was inactive in this step
           request.finish()
           self._leave(request)
           continue
@@ -835,6 +900,8 @@ class Batch:
       if n == 0:
         continue
       request.tokens.extend(emitted[row][:n])
+      if host.logprobs is not None:
+        request.logprobs.extend(logprobs_lib.host_entries(host.logprobs, row, n))
       stats.accepted.append(num_accepted[row])
       stats.tree_size.append(tree_size[row])
       stats.sibling_accepts.append(sibling_accepts[row])
