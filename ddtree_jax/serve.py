@@ -63,6 +63,9 @@ def parse_args(argv=None):
   parser.add_argument("--experts", default=defaults.experts, choices=EXPERT_FORMATS,
                       help="the target's routed experts: as stored (auto), quantised to INT4 group-32 on load "
                            "(int4) or dequantised on load (dense)")
+  parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                      help="the most alternatives a request may ask for with its tokens' log-probabilities "
+                           "(logprobs / top_logprobs, at most 20); -1 computes none")
   parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
   args = parser.parse_args(argv)
   try:
@@ -74,7 +77,7 @@ def parse_args(argv=None):
                          dtype=args.dtype, prefill_chunk=args.prefill_chunk,
                          compile_cache_dir=args.compile_cache_dir, host=args.host, port=args.port,
                          api_key=args.api_key, attention_impl=args.attention_impl, moe_impl=args.moe_impl,
-                         experts=args.experts)
+                         experts=args.experts, max_logprobs=args.max_logprobs)
     config.check_backend()
   except ValueError as err:
     parser.error(str(err))

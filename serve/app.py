@@ -5,7 +5,9 @@ A request whose client disconnects is cancelled (its cache slot is freed on the 
 """
 
 import asyncio
+import codecs
 import json
+import math
 import logging
 import secrets
 import threading
@@ -265,7 +267,22 @@ def _stop_ids(eng: Engine, body, chat: bool) -> list[int]:
   return ids
 
 
+def _check_logprobs(eng: Engine, body, chat: bool) -> None:
+  """A request for more log-probabilities than the server computes is refused (400), never cut."""
+  wanted = body.top_logprobs_wanted
+  if wanted is None:
+    return
+  param = "top_logprobs" if chat else "logprobs"
+  limit = eng.loop.decoder.logprobs
+  if limit is None:
+    raise ApiError(400, "log-probabilities are off on this server (it was started with --max-logprobs -1)",
+                   param="logprobs")
+  if wanted > limit:
+    raise ApiError(400, f"{param}={wanted} exceeds this server's --max-logprobs {limit}", param=param)
+
+
 def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: bool, sink) -> Job:
+  _check_logprobs(eng, body, chat)
   context = eng.max_context
   if len(prompt_ids) + max_tokens > context:
     raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
@@ -402,6 +419,7 @@ class _Reply:
     self.created = int(time.time())
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     self._sent_token_ids = 0
+    self._logprobs = _Logprobs(eng.codec, chat, body.top_logprobs_wanted) if body.top_logprobs_wanted is not None else None
 
   def usage(self, event: Event) -> dict:
     return {"prompt_tokens": self.prompt_tokens, "completion_tokens": event.completion_tokens,
@@ -409,6 +427,8 @@ class _Reply:
 
   def full(self, text: str, last: Event) -> dict:
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+    if self._logprobs is not None:
+      choice["logprobs"] = self._logprobs.block(last.tokens, last.token_logprobs(), 0)
     if self.chat:
       choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -425,6 +445,9 @@ class _Reply:
                          ({"content": text} if text else {}))
     else:
       choice["text"] = text
+    if event is not None and self._logprobs is not None and event.completion_tokens > self._logprobs.sent:
+      start = self._logprobs.sent
+      choice["logprobs"] = self._logprobs.block(event.tokens, event.token_logprobs(start), start)
     if self.body.return_token_ids and event is not None and event.completion_tokens:
       choice["token_ids"] = event.token_ids(self._sent_token_ids)
       self._sent_token_ids = event.completion_tokens
@@ -437,3 +460,66 @@ class _Reply:
   def usage_chunk(self, last: Event) -> dict:
     return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": [], "usage": self.usage(last)}
+
+
+# What a log-probability that is not a finite float (a logit of -inf) is reported as: JSON has no
+# -Infinity, and OpenAI's clients parse floats.
+_NO_LOGPROB = -9999.0
+
+
+class _Logprobs:
+  """One request's ``logprobs`` blocks, in the chat format (``content``: token, logprob, bytes,
+  top_logprobs) or the completions format (tokens, token_logprobs, top_logprobs, text_offset).
+
+  A token that is part of a character (byte-level BPE) is shown as ``bytes:\\xNN...``, as OpenAI
+  does, with its exact bytes; blocks of a stream follow one another (``sent``, the text offset).
+  """
+
+  def __init__(self, codec, chat: bool, top_n: int):
+    self.codec = codec
+    self.chat = chat
+    self.top_n = top_n
+    self.sent = 0  # tokens whose entries have been sent
+    self._offset = 0  # characters of text before the next token (completions' text_offset)
+    self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+  def block(self, tokens, entries, start: int) -> dict:
+    """The block of ``entries`` (TokenLogprobs of ``tokens[start:]``)."""
+    ids = tokens[start:start + len(entries)]
+    self.sent = start + len(entries)
+    if self.chat:
+      return {"content": [self._chat_entry(t, e) for t, e in zip(ids, entries)], "refusal": None}
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(ids, entries):
+      token = self._token(token_id)
+      out["tokens"].append(token)
+      out["token_logprobs"].append(_finite(entry.logprob))
+      # The legacy format always includes the chosen token: up to logprobs + 1 entries.
+      top = {self._token(i): _finite(lp) for i, lp in entry.top[:self.top_n]}
+      top.setdefault(token, _finite(entry.logprob))
+      out["top_logprobs"].append(top)
+      out["text_offset"].append(self._offset)
+      self._offset += len(self._utf8.decode(self.codec.token_bytes(token_id)))
+    return out
+
+  def _chat_entry(self, token_id, entry) -> dict:
+    return {**self._described(token_id, entry.logprob),
+            "top_logprobs": [self._described(i, lp) for i, lp in entry.top[:self.top_n]]}
+
+  def _described(self, token_id, logprob) -> dict:
+    raw = self.codec.token_bytes(token_id)
+    return {"token": _token_string(raw), "logprob": _finite(logprob), "bytes": list(raw)}
+
+  def _token(self, token_id) -> str:
+    return _token_string(self.codec.token_bytes(token_id))
+
+
+def _token_string(raw: bytes) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError:
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _finite(logprob: float) -> float:
+  return logprob if math.isfinite(logprob) else _NO_LOGPROB

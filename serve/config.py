@@ -11,6 +11,7 @@ from models import dflash, loading
 from models.config import EXPERT_FORMATS, KERNEL_IMPLS, expert_format_overrides, kernel_backend_error, kernel_dtype_error
 from serve.engine_loop import BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env
 from serve.metrics import Metrics
+from serve.protocol import MAX_TOP_LOGPROBS
 from serve.text import TextCodec
 
 log = logging.getLogger("ddtree_jax.serve")
@@ -38,6 +39,9 @@ class ServeConfig:
     experts: the routed experts as the checkpoint stores them (``auto``), quantised to INT4 on
       load (``int4``: a bf16 checkpoint in about a quarter of the memory) or dequantised
       (``dense``); ``models.config.EXPERT_FORMATS``.
+    max_logprobs: the most alternatives a request may ask for with each token's log-probability
+      (``logprobs`` / ``top_logprobs``); every step computes them for every request (a top-n over
+      the vocabulary per emitted token), -1 computes none and refuses requests for them.
   """
 
   model: str = "kimi-demo"
@@ -61,6 +65,7 @@ class ServeConfig:
   attention_impl: str = "xla"
   moe_impl: str = "xla"
   experts: str = "auto"
+  max_logprobs: int = 5
   faults: str | None = None  # DDTREE_JAX_FAULTS syntax; tests only
 
   def __post_init__(self):
@@ -68,6 +73,8 @@ class ServeConfig:
                  "prefill_tokens_per_turn"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if not -1 <= self.max_logprobs <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"max_logprobs must lie in [-1, {MAX_TOP_LOGPROBS}] (-1: none computed), got {self.max_logprobs}")
     if self.max_queue < 0:
       raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
     if not 0 <= self.port <= 65535:  # uvicorn would bind the port modulo 65536
@@ -162,7 +169,8 @@ def build_engine(config: ServeConfig) -> Engine:
       budgets=budgets, batch_buckets=buckets,
       bucket_budgets={b: table.budgets_for_bucket(b, prev) for b, prev in zip(buckets, (0,) + buckets[:-1])},
       max_len=config.max_context + max_q_len, prefill_chunk=min(config.prefill_chunk, config.max_context),
-      compile_cache_dir=config.compile_cache_dir, max_stop_tokens=config.max_stop_ids, show_progress=False)
+      compile_cache_dir=config.compile_cache_dir, max_stop_tokens=config.max_stop_ids,
+      logprobs=None if config.max_logprobs < 0 else config.max_logprobs, show_progress=False)
   metrics.compile_seconds.set(decoder.compile_seconds)
   faults = FaultInjector.from_spec(config.faults) if config.faults else fault_injector_from_env()
   loop = EngineLoop(decoder, table, metrics, max_queue=config.max_queue,

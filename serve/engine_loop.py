@@ -144,10 +144,17 @@ class Event:
   # ``completion_tokens`` ids stay this event's. Copying them into every event cost a request
   # O(its length) a step.
   tokens: Sequence[int] = ()
+  # The request's logprobs.TokenLogprob list (one a token when the engine computes them), held the
+  # same way.
+  logprobs: Sequence = ()
 
   def token_ids(self, start: int = 0) -> list[int]:
     """The event's token ids from index ``start`` on (all of them by default)."""
     return list(self.tokens[start:self.completion_tokens])
+
+  def token_logprobs(self, start: int = 0) -> list:
+    """The TokenLogprob of each of the event's tokens from index ``start`` on."""
+    return list(self.logprobs[start:self.completion_tokens])
 
 
 @dataclasses.dataclass(eq=False)
@@ -404,7 +411,7 @@ class EngineLoop:
       elif finished:
         self._finish(job, text=text, reason=request.finish_reason)
       elif text:
-        job.sink(Event(text=text, completion_tokens=len(tokens), tokens=tokens))
+        job.sink(Event(text=text, completion_tokens=len(tokens), tokens=tokens, logprobs=request.logprobs))
 
   @staticmethod
   def _stop_ids(request: engine.Request) -> set:
@@ -420,7 +427,8 @@ class EngineLoop:
       self.metrics.finished.labels(reason or "error").inc()
     tokens = job.request.tokens
     count = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
-    job.sink(Event(text=text, completion_tokens=count, tokens=tokens, finish_reason=reason, error=error))
+    job.sink(Event(text=text, completion_tokens=count, tokens=tokens, logprobs=job.request.logprobs,
+                   finish_reason=reason, error=error))
 
   def _caches_usable(self, with_decode: bool = False) -> bool:
     """False if a failure deleted the caches (donation) or left them holding an error; with

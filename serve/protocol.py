@@ -1,7 +1,7 @@
 """OpenAI request bodies, their checks, and error bodies.
 
-Every field a client can send is listed. A field this server cannot honour (log probabilities,
-penalties, logit bias, tools, ``n`` > 1) is refused with 400 when set to anything but its neutral
+Every field a client can send is listed. A field this server cannot honour (penalties, logit
+bias, tools, ``n`` > 1, the prompt's log probabilities) is refused with 400 when set to anything but its neutral
 value, and an unknown field is refused too: a client's intent is never silently dropped. Types
 are strict (``"max_tokens": "5"`` or ``"stream": "yes"`` are 400s, not coerced); an int is
 accepted where a float is expected.
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TEMPERATURE = 1000.0
 MAX_STOP_STRING_CHARS = 1000
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; the server's --max-logprobs may be lower
 
 
 class ApiError(Exception):
@@ -109,6 +110,16 @@ class _Sampling(BaseModel):
   def include_usage(self) -> bool:
     return bool(self.stream_options and self.stream_options.include_usage)
 
+  @property
+  def top_logprobs_wanted(self) -> int | None:
+    """None: no log-probabilities asked for; n: each token's and its n most likely alternatives'."""
+    return None
+
+
+def _check_top_logprobs(name: str, value: int | None) -> None:
+  if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+    raise ApiError(400, f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {value}", param=name)
+
 
 class CompletionRequest(_Sampling):
   prompt: str | list[int] | list[str] | list[list[int]]
@@ -120,14 +131,20 @@ class CompletionRequest(_Sampling):
 
   def check(self, max_stop_strings: int = 16) -> None:
     super().check(max_stop_strings)
-    if self.logprobs is not None:
-      raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    _check_top_logprobs("logprobs", self.logprobs)
+    if self.logprobs is not None and self.echo:
+      raise ApiError(400, "echo with logprobs is not supported: this server computes the log-probabilities "
+                     "of generated tokens, not of the prompt", param="logprobs")
     if self.best_of not in (None, 1):
       raise ApiError(400, f"best_of={self.best_of} is not supported (only 1)", param="best_of")
     if self.suffix is not None:
       raise ApiError(400, "suffix is not supported", param="suffix")
     if self.max_tokens is not None and self.max_tokens <= 0:
       raise ApiError(400, f"max_tokens must be positive, got {self.max_tokens}", param="max_tokens")
+
+  @property
+  def top_logprobs_wanted(self) -> int | None:
+    return self.logprobs
 
   @property
   def single_prompt(self):
@@ -176,8 +193,9 @@ class ChatCompletionRequest(_Sampling):
 
   def check(self, max_stop_strings: int = 16) -> None:
     super().check(max_stop_strings)
-    if self.logprobs or self.top_logprobs:
-      raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    _check_top_logprobs("top_logprobs", self.top_logprobs)
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if self.tools:
       raise ApiError(400, "tools are not supported by this server", param="tools")
     if self.tool_choice not in (None, "none"):
@@ -191,6 +209,10 @@ class ChatCompletionRequest(_Sampling):
     for i, message in enumerate(self.messages):
       if message.name is not None:  # no chat template here receives it: refused rather than dropped
         raise ApiError(400, "messages[].name is not supported by this server", param=f"messages.{i}.name")
+
+  @property
+  def top_logprobs_wanted(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
 
   @property
   def token_limit(self) -> int | None:

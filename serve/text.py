@@ -200,6 +200,10 @@ class TextCodec:
     """The text of ``ids``, special tokens left out."""
     return self.backend.decode(ids)
 
+  def token_bytes(self, token_id: int) -> bytes:
+    """One token's bytes, special tokens spelled out (what a log-probability entry shows)."""
+    return self.backend.token_bytes(token_id)
+
   def decode_long(self, ids: Sequence[int]) -> str:
     """``decode`` for a whole prompt, releasing the GIL while it runs (tokenizers' ``decode`` holds
     it, ~75 ms for a megabyte's ids); a stream's small windows keep ``decode``."""

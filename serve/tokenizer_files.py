@@ -7,8 +7,8 @@
   the checkpoint's own ``tokenization_kimi.py`` builds them.
 
 Both give ``TextCodec`` the same small interface: literal encoding (special-token spellings stay
-text), parsing encoding (for a chat template's rendering), decoding without special tokens, and
-ids by name. Encoding and decoding release the GIL in both libraries.
+text), parsing encoding (for a chat template's rendering), decoding without special tokens, ids by
+name, and one token's bytes (for log-probabilities, where a token may be part of a character). Encoding and decoding release the GIL in both libraries.
 """
 
 import base64
@@ -44,6 +44,22 @@ NUM_RESERVED_SPECIAL_TOKENS = 256
 # 400,000 characters, each cut where a run of whitespace or of other characters passes 25,000.
 _MAX_CHUNK_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+  """{character: byte} of byte-level BPE (GPT-2's convention, which ``tokenizers``' ByteLevel
+  follows): printable Latin-1 bytes stand for themselves, the other 68 for characters from U+0100
+  on, in byte order."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+  others = [b for b in range(256) if b not in printable]
+  return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def _uses_byte_level(component) -> bool:
+  if not isinstance(component, dict):
+    return False
+  return component.get("type") == "ByteLevel" or any(_uses_byte_level(c) for c in component.get("decoders") or ())
 
 
 class TokenizerFileError(ValueError):
@@ -84,6 +100,23 @@ class HFTokenizer:
     self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
     self.special_spellings = tuple(t.content for t in self.tokenizer.get_added_tokens_decoder().values()
                                    if t.special and t.content)
+    self._added_ids = frozenset(self.tokenizer.get_added_tokens_decoder())
+    self._byte_level = _uses_byte_level(spec.get("decoder"))
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """One token's bytes: an added token's spelling; a byte-level BPE token's bytes exactly (a
+    piece of a multi-byte character included); otherwise the token decoded alone. b"" for an id
+    the tokenizer does not have."""
+    piece = self.tokenizer.id_to_token(int(token_id))
+    if piece is None:
+      return b""
+    if int(token_id) in self._added_ids:
+      return piece.encode("utf-8")
+    if self._byte_level:
+      alphabet = _byte_level_alphabet()
+      if all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return self.tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
   def encode(self, text: str) -> list[int]:
     return tokenizer_lib.encode(self.tokenizer, text)
@@ -135,6 +168,7 @@ class KimiTiktokenTokenizer:
           f"[{num_base}, {num_base + NUM_RESERVED_SPECIAL_TOKENS}) after {ranks_path}'s {num_base} ranks")
     self.special_ids = {special_names.get(i, f"<|reserved_token_{i}|>"): i
                         for i in range(num_base, num_base + NUM_RESERVED_SPECIAL_TOKENS)}
+    self._special_names = {i: name for name, i in self.special_ids.items()}
     if len(self.special_ids) != NUM_RESERVED_SPECIAL_TOKENS:
       raise TokenizerFileError("tokenizer_config.json gives two special ids the same name")
     if "" in self.special_ids:  # it would "occur" in every text
@@ -168,6 +202,13 @@ class KimiTiktokenTokenizer:
     return self.encoding.decode([int(i) for i in ids if 0 <= int(i) < self._num_base])
 
   decode_long = decode  # tiktoken's decode already releases the GIL
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """One token's bytes (a special id's name; b"" past the tokenizer)."""
+    token_id = int(token_id)
+    if 0 <= token_id < self._num_base:
+      return self.encoding.decode_single_token_bytes(token_id)
+    return self._special_names.get(token_id, "").encode("utf-8")
 
   def token_to_id(self, name: str) -> int | None:
     if name in self.special_ids:

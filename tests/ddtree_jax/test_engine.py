@@ -363,8 +363,8 @@ def test_each_step_output_is_one_array_whose_copy_starts_at_dispatch(model, prom
   at_dispatch = [c for c in started if c[0] == "dispatch"]
   assert set(at_dispatch) == {("dispatch", (3, 9 + 6), np.dtype(np.int32))}
   assert len(result.steps) <= len(at_dispatch) <= len(result.steps) + 1
-  # Each admission's first token and its still-active flag, one element each.
-  assert [c[1] for c in started if c[0] == "admit"] == [(1,)] * (2 * len(prompts))
+  # Each admission's first token and its still-active flag, packed into one row (no logprobs here).
+  assert [c[1:] for c in started if c[0] == "admit"] == [((1, 2), np.dtype(np.int32))] * len(prompts)
 
 
 def test_more_requests_than_rows_join_as_others_leave(model, prompts, reference):

@@ -19,11 +19,14 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import openai
 import psutil
 import pytest
 
 from ddtree_jax.near_tie import check_near_ties, greedy_reference
+from models import cache as cache_lib
+from models import forward as fwd
 from models import loading
 from serve.config import ServeConfig
 from serve.engine_loop import FaultInjector
@@ -45,10 +48,12 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def plain_server():
   """``python -m ddtree_jax.serve --spec none`` in a subprocess. Its batch is 4, so the tests' 16
-  concurrent clients also queue there (and its warm-up compiles three buckets, not five)."""
+  concurrent clients also queue there (and its warm-up compiles three buckets, not five). It
+  computes no log-probabilities (``--max-logprobs -1``)."""
   port = free_port()
   cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--max-batch", "4",
-         "--max-context", str(MAX_CONTEXT), "--dtype", "float32", "--log-level", "warning"]
+         "--max-context", str(MAX_CONTEXT), "--dtype", "float32", "--max-logprobs", "-1",
+         "--log-level", "warning"]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
   statuses = []
@@ -193,6 +198,97 @@ def test_stop_string_gives_the_same_tokens_and_usage_with_and_without_speculatio
     body.update(max_tokens=spec["usage"]["completion_tokens"])
     last = httpx.post(server.url + "/v1/completions", json=body).json()
     assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["text"] == spec["choices"][0]["text"]
+
+
+def teacher_forced_logprobs(server, prompt_ids, token_ids):
+  """float64 log_softmax of the server's target at each generated token, from one plain prefill of
+  prompt + generated tokens (no tree, no drafter, no engine)."""
+  target = server.engine.loop.decoder.target
+  sequence = list(prompt_ids) + list(token_ids)
+  cache = cache_lib.init_cache(target.cfg, 1, MAX_CONTEXT + 32)
+  with fwd.matmul_precision(target.cfg):
+    _, logits, _, _ = fwd.prefill(target, [sequence], np.arange(1), cache, chunk_size=32, all_logits=True)
+  z = np.asarray(logits, np.float64)[0, len(prompt_ids) - 1:len(sequence) - 1]
+  z -= z.max(axis=-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def test_logprobs_in_both_formats_equal_the_target_and_stream_as_they_return(server, plain_server, client):
+  """Each generated token's logprob (float32, the demo target) against a teacher-forced float64
+  reference; the alternatives are the reference's most likely tokens; streaming sends the same
+  entries once each, up to a stop string that cuts a speculative step; the limits are named."""
+  codec = server.engine.codec
+  prompt = 'def read_config(path):\n    """Read a JSON file."""'
+  body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": 3, "return_token_ids": True,
+          "ignore_eos": True}
+  full = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+  ids, lp = full["token_ids"], full["logprobs"]
+  assert len(ids) == 32 and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 32
+  ref = teacher_forced_logprobs(server, codec.completion_prompt(prompt), ids)
+  np.testing.assert_allclose(lp["token_logprobs"], ref[np.arange(32), ids], atol=2e-4)
+  shown = lambda token_id: _shown(codec.token_bytes(int(token_id)))
+  for t, (token_id, top) in enumerate(zip(ids, lp["top_logprobs"])):
+    assert lp["tokens"][t] == shown(token_id)
+    # The three most likely tokens and the chosen one (greedy: among them), each with its logprob.
+    order = np.argsort(-ref[t], kind="stable")
+    if ref[t, order[2]] - ref[t, order[3]] > 2e-4:  # no near tie at the cut
+      assert set(top) == {shown(i) for i in order[:3]}
+    for token_id_ in order[:3]:
+      if shown(token_id_) in top:
+        assert abs(top[shown(token_id_)] - ref[t, token_id_]) < 2e-4
+    assert max(top.values()) == lp["token_logprobs"][t]
+  offsets = lp["text_offset"]
+  assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(full["text"])
+
+  # Streamed with a stop string that falls inside the text: the blocks add up to the entries of the
+  # tokens the reply reports, none past the stop string, each sent once.
+  stop = full["text"][40:43]
+  assert stop.strip(), full["text"]
+  cut = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]}).json()
+  n = cut["usage"]["completion_tokens"]
+  assert cut["choices"][0]["finish_reason"] == "stop" and len(cut["choices"][0]["logprobs"]["tokens"]) == n < 32
+  streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+  with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stop": [stop], "stream": True},
+                    timeout=300) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: ") and line != "data: [DONE]":
+        block = json.loads(line[6:])["choices"][0]["logprobs"]
+        for key in streamed:
+          streamed[key] += block[key] if block else []
+  assert streamed["tokens"] == lp["tokens"][:n] and streamed["text_offset"] == offsets[:n]
+  np.testing.assert_allclose(streamed["token_logprobs"], lp["token_logprobs"][:n], atol=1e-5)
+
+  # Chat through the OpenAI client: content entries whose bytes rebuild the reply.
+  messages = [{"role": "user", "content": "Write a parser."}]
+  chat = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=20, temperature=0,
+                                        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+  content = chat.choices[0].logprobs.content
+  assert len(content) == chat.usage.completion_tokens == 20
+  assert bytes(b for entry in content for b in entry.bytes).decode() == chat.choices[0].message.content
+  assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+  assert all(e.logprob == e.top_logprobs[0].logprob and e.token == e.top_logprobs[0].token for e in content)
+  plain = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=4, temperature=0,
+                                         logprobs=True)
+  assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+  no_lp = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=4, temperature=0)
+  assert no_lp.choices[0].logprobs is None
+
+  # More than the server computes, and a server that computes none: 400s naming the limit.
+  over = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "logprobs": True,
+                                                               "top_logprobs": 6})
+  assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
+  assert "--max-logprobs 5" in over.json()["error"]["message"]
+  off = httpx.post(plain_server[0] + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 0})
+  assert off.status_code == 400 and "--max-logprobs -1" in off.json()["error"]["message"], off.text
+
+
+def _shown(raw: bytes) -> str:
+  """A token as a logprobs entry shows it: its text, or OpenAI's ``bytes:\\xNN`` form for a piece
+  of a character."""
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError:
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def test_stop_strings_and_echo(client):

@@ -289,7 +289,10 @@ def test_fault_injector_spec():
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs"),  # strict: a bool is no count
+    ({"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),  # the prompt's are not computed
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
@@ -319,7 +322,10 @@ def test_completion_bodies_refused_with_the_field_named(body, status, param):
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # needs logprobs
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
 ])
@@ -349,3 +355,19 @@ def test_valid_bodies_parse():
 def _parse(model, body):
   from serve.app import protocol_parse  # pylint: disable=import-outside-toplevel
   return protocol_parse(model, body)
+
+
+@pytest.mark.parametrize("model, body, wanted", [
+    ("CompletionRequest", {"prompt": "x"}, None),
+    ("CompletionRequest", {"prompt": "x", "logprobs": 0}, 0),
+    ("CompletionRequest", {"prompt": "x", "logprobs": 20}, 20),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}]}, None),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}], "logprobs": False}, None),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 0),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                               "top_logprobs": 4}, 4),
+])
+def test_logprobs_asked_for_in_either_format(model, body, wanted):
+  parsed = _parse(getattr(protocol, model), body)
+  parsed.check()
+  assert parsed.top_logprobs_wanted == wanted

@@ -180,3 +180,23 @@ def test_a_missing_tokenizer_is_named_and_kimis_own_pattern_file_is_accepted(tmp
   source = "pat_str = '|'.join([\n" + "".join(f'    r"""{p}""",\n' for p in tokenizer_files.KIMI_PATTERN_PIECES) + "])\n"
   (same / "tokenization_kimi.py").write_text(source)
   assert tokenizer_files.load(same).vocab_size == len(ranks) + 256
+
+
+def test_token_bytes_rebuild_the_text_in_both_formats(kimi_dir, ranks):
+  """A log-probability entry's bytes: each token's exact bytes, a piece of a character included,
+  so that a client joining them gets the text back; special ids are spelled out."""
+  base = len(ranks)
+  kimi = TextCodec.from_model_dir(kimi_dir, eos_token_id=base + 1)
+  demo_dir = loading.resolve_model_dir("kimi-demo")
+  demo = TextCodec.from_model_dir(demo_dir, eos_token_id=0)
+  for codec in (kimi, demo):
+    for text in TEXTS:
+      ids = codec.encode(text)
+      pieces = [codec.token_bytes(i) for i in ids]
+      assert b"".join(pieces) == text.encode("utf-8"), (codec.template_name, text)
+    assert codec.token_bytes(codec.vocab_size + 5) == b""
+  # Some of the demo tokenizer's tokens are single bytes of a multi-byte character.
+  assert any(len(demo.token_bytes(i)) == 1 and demo.token_bytes(i)[0] >= 0x80 for i in demo.encode(TEXTS[2]))
+  assert kimi.token_bytes(base + 2) == b"<|im_end|>" and kimi.token_bytes(base + 100) == f"<|reserved_token_{base + 100}|>".encode()
+  eos = json.loads((demo_dir / "tokenizer.json").read_text())["added_tokens"][0]
+  assert demo.token_bytes(eos["id"]) == eos["content"].encode()
