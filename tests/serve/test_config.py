@@ -29,6 +29,18 @@ def test_bad_expert_format_is_refused_by_name(capsys):
   assert "argument --experts: invalid choice: 'fp8'" in capsys.readouterr().err
 
 
+def test_max_logprobs_reaches_the_config_and_is_bounded(capsys):
+  assert serve_cli.parse_args([])[0].max_logprobs == 5
+  assert serve_cli.parse_args(["--max-logprobs", "-1"])[0].max_logprobs == -1
+  assert serve_cli.parse_args(["--max-logprobs", "20"])[0].max_logprobs == 20
+  for bad in (-2, 21):
+    with pytest.raises(ValueError, match=rf"max_logprobs must lie in \[-1, 20\] .*got {bad}"):
+      ServeConfig(max_logprobs=bad)
+  with pytest.raises(SystemExit) as exit_info:
+    serve_cli.parse_args(["--max-logprobs", "50"])
+  assert exit_info.value.code == 2 and "max_logprobs must lie in [-1, 20]" in capsys.readouterr().err
+
+
 def test_pallas_needs_a_gpu_backend():
   ServeConfig().check_backend("cpu")  # xla runs anywhere
   for name in ("attention_impl", "moe_impl"):
