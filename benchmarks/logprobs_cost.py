@@ -104,10 +104,14 @@ def main():
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
   args = parser.parse_args()
   gpu = jax.default_backend() == "gpu"
-  result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
-            "engine": engine_rows(gpu), "k2": k2_rows() if gpu else []}
+  result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "engine": [],
+            "k2": []}
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "logprobs_cost.json").write_text(json.dumps(result, indent=1))
+  # CUPTI first: on 2026-12-07 measuring with it after the engine part's profiler traces aborted the
+  # process ("activity records were dropped"), losing the whole run. Results are written after each part.
+  for part, rows in (("k2", k2_rows if gpu else list), ("engine", lambda: engine_rows(gpu))):
+    result[part] = rows()
+    (args.out / "logprobs_cost.json").write_text(json.dumps(result, indent=1))
   (args.out / "logprobs_cost.md").write_text(markdown(result))
   print(markdown(result))
 

@@ -103,6 +103,8 @@ def unpack_output(packed: np.ndarray, top_n: int | None = None) -> StepOutput:
   """The StepOutput (numpy) that ``pack_output`` packed; ``top_n``: the engine's ``logprobs``
   (None: the step computed none)."""
   width = packed.shape[1] - len(_PACKED_FIELDS)
+  if top_n is not None and width % (2 + 2 * top_n):
+    raise ValueError(f"a packed step output of {packed.shape[1]} columns holds no logprobs with top_n={top_n}")
   q_len = width if top_n is None else width // (2 + 2 * top_n)
   fields = {name: packed[:, width + i] for i, name in enumerate(_PACKED_FIELDS)}
   fields["finished"] = fields["finished"].astype(bool)
@@ -367,9 +369,9 @@ class SpeculativeDecoder:
     max_stop_tokens: stop ids per request the compiled step accepts.
     logprobs: None (the default) computes no log-probabilities; n >= 0 makes every step return
       each emitted token's log-probability under the target and its node's n most likely tokens
-      with theirs (``ddtree_jax.logprobs``; requests read them from ``Request.logprobs``). Static:
-      it is compiled into the steps, and costs a logsumexp over the vocabulary per tree node, and
-      a top-n per emitted token when n > 0.
+      with theirs (``ddtree_jax.logprobs``; requests read them from ``Request.logprobs``, those
+      made with ``request(..., logprobs=False)`` keep none). Static: it is compiled into the steps,
+      and costs a logsumexp over the vocabulary per tree node, and a top-n per node when n > 0.
     eager: run the step functions uncompiled (for ``jax.disable_jit()`` comparisons).
   """
 
@@ -632,15 +634,16 @@ class SpeculativeDecoder:
 
   # ---- generation --------------------------------------------------------------------------
   def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-              stop_token_ids: Sequence[int] | None = None) -> "Request":
+              stop_token_ids: Sequence[int] | None = None, logprobs: bool = True) -> "Request":
     """A validated request (raises EngineError/ValueError naming the bad argument); ``seed`` as in
-    ``generate``."""
+    ``generate``. ``logprobs``: keep its tokens' log-probabilities on the host (when the decoder
+    computes them); a server sets it per request, since building them costs host time a step."""
     (arr,), (limit,) = self._check_prompts([prompt], [max_new_tokens])
     sampling = verify_lib.SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p,
                                               seed=_fresh_seeds(seed, 1))
     stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, 1)
     return Request(prompt=arr, max_new_tokens=limit, sampling=sampling, stop_tokens=stop_tokens[0],
-                   stop_valid=stop_valid[0])
+                   stop_valid=stop_valid[0], want_logprobs=bool(logprobs))
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens, *, budget: int | None = None,
                budget_schedule: Callable[[int], int] | None = None, temperature=0.0, top_k=0, top_p=1.0,
@@ -714,8 +717,10 @@ class Request:
   stop_tokens: np.ndarray  # int32[max_stop_tokens]
   stop_valid: np.ndarray  # bool[max_stop_tokens]
   tokens: list = dataclasses.field(default_factory=list)
-  # One logprobs.TokenLogprob per token of ``tokens`` when the decoder computes them, else empty.
+  # One logprobs.TokenLogprob per token of ``tokens`` when the decoder computes them and
+  # ``want_logprobs``, else empty.
   logprobs: list = dataclasses.field(default_factory=list)
+  want_logprobs: bool = True
   # "stop" or "length" once finished; "cancelled" when ``Batch.cancel`` ended it (a caller may
   # pass its own reason, for example "stop" for a stop string the host found).
   finish_reason: str | None = None
@@ -886,7 +891,7 @@ class Batch:
         token, active, first_lp = unpack_first(firsts[row], top_n)
         request.first = None
         request.tokens.append(token)
-        if first_lp is not None:
+        if first_lp is not None and request.want_logprobs:
           request.logprobs.extend(logprobs_lib.host_entries(first_lp, 0, 1))
         if not active:  # the first token ended it; the row was inactive in this step
           request.finish()
@@ -900,7 +905,7 @@ class Batch:
       if n == 0:
         continue
       request.tokens.extend(emitted[row][:n])
-      if host.logprobs is not None:
+      if host.logprobs is not None and request.want_logprobs:
         request.logprobs.extend(logprobs_lib.host_entries(host.logprobs, row, n))
       stats.accepted.append(num_accepted[row])
       stats.tree_size.append(tree_size[row])

@@ -54,8 +54,11 @@ def token_logprobs(logits, nodes, tokens, top_n: int) -> TokenLogprobs:
   if top_n == 0:
     return TokenLogprobs(token=token, top_ids=jnp.zeros((batch, q_len, 0), jnp.int32),
                          top=jnp.zeros((batch, q_len, 0), jnp.float32))
-  # The top-k of the Q emitting nodes only: a tree's other nodes need none.
-  top, top_ids = jax.lax.top_k(jnp.take_along_axis(z, nodes[:, :, None], axis=1), top_n)
+  # top-k over every node, then the emitting nodes' rows: gathering [B, Q, V] first would copy the
+  # logits (top_k reads a materialised array), and a tree has no more nodes than Q anyway.
+  top, top_ids = jax.lax.top_k(z, top_n)  # [B, N, n]
+  top = jnp.take_along_axis(top, nodes[:, :, None], axis=1)
+  top_ids = jnp.take_along_axis(top_ids, nodes[:, :, None], axis=1)
   return TokenLogprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top - node_norm[:, :, None])
 
 

@@ -296,7 +296,8 @@ def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: b
   try:
     request = eng.loop.decoder.request(prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
-                                       stop_token_ids=_stop_ids(eng, body, chat))
+                                       stop_token_ids=_stop_ids(eng, body, chat),
+                                       logprobs=body.top_logprobs_wanted is not None)
   except ValueError as err:  # EngineError and SamplingParams' checks name the argument
     raise ApiError(400, str(err)) from None
   return Job(request=request, text=StreamText(eng.codec, body.stop_strings), sink=sink)
@@ -499,7 +500,8 @@ class _Logprobs:
       top.setdefault(token, _finite(entry.logprob))
       out["top_logprobs"].append(top)
       out["text_offset"].append(self._offset)
-      self._offset += len(self._utf8.decode(self.codec.token_bytes(token_id)))
+      if self.codec.decode([token_id]):  # special tokens have no text: they move no offset
+        self._offset += len(self._utf8.decode(self.codec.token_bytes(token_id)))
     return out
 
   def _chat_entry(self, token_id, entry) -> dict:

@@ -40,8 +40,9 @@ class ServeConfig:
       load (``int4``: a bf16 checkpoint in about a quarter of the memory) or dequantised
       (``dense``); ``models.config.EXPERT_FORMATS``.
     max_logprobs: the most alternatives a request may ask for with each token's log-probability
-      (``logprobs`` / ``top_logprobs``); every step computes them for every request (a top-n over
-      the vocabulary per emitted token), -1 computes none and refuses requests for them.
+      (``logprobs`` / ``top_logprobs``); every step computes them on the device for every row (a
+      top-n over the vocabulary per tree node) and the host keeps those of the requests that asked;
+      -1 computes none and refuses requests for them.
   """
 
   model: str = "kimi-demo"

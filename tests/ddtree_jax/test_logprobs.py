@@ -178,3 +178,37 @@ def test_bad_logprobs_setting_is_named(model, value):
   with pytest.raises(engine.EngineError, match="logprobs="):
     engine.SpeculativeDecoder(model, drafters.RandomDrafter(CFG.vocab_size), policy="chain", budgets=(0,),
                               batch_buckets=(1,), max_len=32, prefill_chunk=16, logprobs=value, show_progress=False)
+
+
+def test_a_stop_id_that_cuts_a_speculative_step_keeps_one_entry_a_token(model, prompts, reference, dec):
+  """A stop id found mid-step ends the request there: the tokens drafted past it are dropped, and
+  so are their log-probabilities."""
+  stream = reference[0][1]
+  stop = stream[9]
+  cut = stream.index(stop) + 1  # its first occurrence ends the request
+  result = dec.generate([prompts[1]], MAX_NEW, budget=8, stop_token_ids=[stop])
+  assert result.tokens[0] == stream[:cut] and result.finish_reasons == ["stop"]
+  assert len(result.logprobs[0]) == cut
+  check_against_reference(model, prompts[1], result.tokens[0], result.logprobs[0], greedy=True)
+
+
+def test_only_requests_that_want_logprobs_keep_them(model, prompts, dec):
+  """A server keeps log-probabilities only for the requests that asked (building them is host work
+  every step); the others' tokens are the same either way."""
+  batch = engine.Batch(dec, 4)
+  wanting = dec.request(prompts[0], 12, stop_token_ids=[])
+  not_wanting = dec.request(prompts[0], 12, stop_token_ids=[], logprobs=False)
+  batch.admit(wanting)
+  batch.admit(not_wanting)
+  while batch.num_running:
+    batch.collect(batch.dispatch(8))
+  assert wanting.tokens == not_wanting.tokens and len(wanting.tokens) == 12
+  assert len(wanting.logprobs) == 12 and not_wanting.logprobs == []
+  check_against_reference(model, prompts[0], wanting.tokens, wanting.logprobs, greedy=True)
+
+
+def test_a_packed_output_read_with_the_wrong_count_is_refused():
+  packed = np.zeros((2, 5 * (2 + 2 * 3) + 6), np.int32)
+  assert engine.unpack_output(packed, 3).logprobs.top.shape == (2, 5, 3)
+  with pytest.raises(ValueError, match="holds no logprobs with top_n=2"):
+    engine.unpack_output(packed, 2)

@@ -269,7 +269,14 @@ def test_logprobs_in_both_formats_equal_the_target_and_stream_as_they_return(ser
   assert all(e.logprob == e.top_logprobs[0].logprob and e.token == e.top_logprobs[0].token for e in content)
   plain = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=4, temperature=0,
                                          logprobs=True)
-  assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+  assert len(plain.choices[0].logprobs.content) == 4 and all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+  # Streamed, the chunks' content entries add up to the same entries.
+  chunks = list(client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=20, temperature=0,
+                                               logprobs=True, top_logprobs=2, stream=True,
+                                               extra_body={"ignore_eos": True}))
+  streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+  assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+  np.testing.assert_allclose([e.logprob for e in streamed], [e.logprob for e in content], atol=1e-5)
   no_lp = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=4, temperature=0)
   assert no_lp.choices[0].logprobs is None
 
