@@ -508,9 +508,9 @@ class SpeculativeDecoder:
                 self.target_cache, self.drafter_state,
                 jax.ShapeDtypeStruct((1, self.prefill_chunk), jnp.int32), one(jnp.int32), one(jnp.int32))
     stops = jax.ShapeDtypeStruct((1, self.max_stop_tokens), jnp.int32)
-    self._build("first", functools.partial(first_token, logprobs=self.logprobs), (), jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32),
-                one(jnp.int32), self._sampling_spec(1), stops, jax.ShapeDtypeStruct(stops.shape, jnp.bool_),
-                one(jnp.int32))
+    self._build("first", functools.partial(first_token, logprobs=self.logprobs), (),
+                jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32), one(jnp.int32), self._sampling_spec(1),
+                stops, jax.ShapeDtypeStruct(stops.shape, jnp.bool_), one(jnp.int32))
     for bucket in self.batch_buckets:
       self._build(("set_row", bucket), set_row, (0,), self._decode_spec(bucket), one(jnp.int32), self._decode_spec(1))
       for other in self.batch_buckets:

@@ -420,7 +420,8 @@ class _Reply:
     self.created = int(time.time())
     self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     self._sent_token_ids = 0
-    self._logprobs = _Logprobs(eng.codec, chat, body.top_logprobs_wanted) if body.top_logprobs_wanted is not None else None
+    wanted = body.top_logprobs_wanted
+    self._logprobs = None if wanted is None else _Logprobs(eng.codec, chat, wanted)
 
   def usage(self, event: Event) -> dict:
     return {"prompt_tokens": self.prompt_tokens, "completion_tokens": event.completion_tokens,

@@ -8,7 +8,8 @@
 
 Both give ``TextCodec`` the same small interface: literal encoding (special-token spellings stay
 text), parsing encoding (for a chat template's rendering), decoding without special tokens, ids by
-name, and one token's bytes (for log-probabilities, where a token may be part of a character). Encoding and decoding release the GIL in both libraries.
+name, and one token's bytes (for log-probabilities, where a token may be part of a character).
+Encoding and decoding release the GIL in both libraries.
 """
 
 import base64
