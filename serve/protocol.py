@@ -3,9 +3,8 @@
 Every field a client can send is listed. A field this server cannot honour (penalties, logit
 bias, tools, ``n`` > 1, the prompt's log probabilities) is refused with 400 when set to anything
 but its neutral value, and an unknown field is refused too: a client's intent is never silently
-dropped. Types
-are strict (``"max_tokens": "5"`` or ``"stream": "yes"`` are 400s, not coerced); an int is
-accepted where a float is expected.
+dropped. Types are strict (``"max_tokens": "5"`` or ``"stream": "yes"`` are 400s, not coerced);
+an int is accepted where a float is expected.
 """
 
 from typing import Annotated, Literal
