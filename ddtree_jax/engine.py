@@ -239,6 +239,28 @@ def prefill_step(target: KimiModel, drafter_params, target_cache, drafter_state,
   return target_cache, drafter_state, out.logits[:, 0]
 
 
+def prefill_logprobs_step(target: KimiModel, drafter_params, target_cache, drafter_state, tokens, num_valid, slots,
+                          next_tokens, *, drafter, logprobs: int):
+  """``prefill_step`` that also returns the chunk's prompt log-probabilities (``echo`` with logprobs).
+
+  Args:
+    next_tokens: int32[B, C], the prompt token after each row's (what its logits predict).
+  Returns:
+    (target_cache, drafter_state, last-row logits, int32[B, C (1 + 2 logprobs)]: each row's
+    log-probability of its next token and the row's top ``logprobs``, packed as ``pack_output``
+    packs them).
+  """
+  out, target_cache = fwd.prefill_chunk(target, tokens, num_valid, slots, target_cache,
+                                        feature_layers=drafter.feature_layers, all_logits=True)
+  start = target_cache.lengths[slots] - num_valid
+  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  drafter_state = drafter.extend(drafter_params, drafter_state, slots, tokens, positions, out.features, num_valid)
+  last = jnp.take_along_axis(out.logits, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+  rows = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  lp = logprobs_lib.token_logprobs(out.logits, rows, next_tokens.astype(jnp.int32), logprobs)
+  return target_cache, drafter_state, last, jnp.concatenate(_pack_logprobs(lp), axis=1)
+
+
 def first_token(logits, position, sampling, stop_tokens, stop_valid, remaining, *, logprobs: int | None = None):
   """The target's own first token after a prompt, and whether it already ends the request.
 
@@ -507,6 +529,12 @@ class SpeculativeDecoder:
                                              self._params_def), (1, 2), self._params_leaves,
                 self.target_cache, self.drafter_state,
                 jax.ShapeDtypeStruct((1, self.prefill_chunk), jnp.int32), one(jnp.int32), one(jnp.int32))
+    if self.logprobs is not None:
+      self._build("prefill_logprobs", functools.partial(_on_leaves, functools.partial(
+          prefill_logprobs_step, drafter=self.drafter, logprobs=self.logprobs), self._params_def), (1, 2),
+                  self._params_leaves, self.target_cache, self.drafter_state,
+                  jax.ShapeDtypeStruct((1, self.prefill_chunk), jnp.int32), one(jnp.int32), one(jnp.int32),
+                  jax.ShapeDtypeStruct((1, self.prefill_chunk), jnp.int32))
     stops = jax.ShapeDtypeStruct((1, self.max_stop_tokens), jnp.int32)
     self._build("first", functools.partial(first_token, logprobs=self.logprobs), (),
                 jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32), one(jnp.int32), self._sampling_spec(1),
@@ -599,51 +627,68 @@ class SpeculativeDecoder:
 
   # ---- admission ---------------------------------------------------------------------------
   def _admit(self, prompt: np.ndarray, row: int, decode: DecodeState, sampling_row, stop_row, stop_valid_row,
-             max_new_tokens: int):
+             max_new_tokens: int, prompt_logprobs: bool = False):
     """Prefills one request into a fresh slot and places it at ``row`` of the batch state.
 
-    Returns (slot, first token's packed row (``first_token``), decode), all on the device: nothing
-    here waits for the device.
+    Returns (slot, first token's packed row (``first_token``), decode, the prompt chunks' packed
+    log-probabilities (``prefill_logprobs_step``; empty unless ``prompt_logprobs``)), all on the
+    device: nothing here waits for the device.
     """
     slot = self.pool.allocate()
     try:
       return slot, *self._prefill_into(slot, prompt, row, decode, sampling_row, stop_row, stop_valid_row,
-                                       max_new_tokens)
+                                       max_new_tokens, prompt_logprobs)
     except BaseException:
       self.pool.release(slot)
       raise
 
-  def _prefill_into(self, slot, prompt, row, decode, sampling_row, stop_row, stop_valid_row, max_new_tokens):
+  def _prefill_into(self, slot, prompt, row, decode, sampling_row, stop_row, stop_valid_row, max_new_tokens,
+                    prompt_logprobs):
     slot_dev = np.asarray([slot], np.int32)
     self.target_cache = self._aux["reset_lengths"](self.target_cache, slot_dev)
     self.drafter_state = self.drafter.reset(self.drafter_params, self.drafter_state, slot_dev, prompt)
     chunk = self.prefill_chunk
     logits = None
+    prompt_chunks = []
     for offset in range(0, len(prompt), chunk):
       piece = prompt[offset:offset + chunk]
       tokens = np.zeros((1, chunk), np.int32)
       tokens[0, :len(piece)] = piece
-      self.target_cache, self.drafter_state, logits = self._aux["prefill"](
-          self._params_leaves, self.target_cache, self.drafter_state, tokens,
-          np.asarray([len(piece)], np.int32), slot_dev)
+      args = (self._params_leaves, self.target_cache, self.drafter_state, tokens, np.asarray([len(piece)], np.int32),
+              slot_dev)
+      if prompt_logprobs:
+        following = prompt[offset + 1:offset + chunk + 1]
+        next_tokens = np.zeros((1, chunk), np.int32)
+        next_tokens[0, :len(following)] = following
+        self.target_cache, self.drafter_state, logits, packed = self._aux["prefill_logprobs"](*args, next_tokens)
+        prompt_chunks.append(packed)
+      else:
+        self.target_cache, self.drafter_state, logits = self._aux["prefill"](*args)
     self.pool.record_commit([slot], [len(prompt)])
     row_state, first = self._aux["first"](logits, np.asarray([len(prompt) - 1], np.int32), sampling_row,
                                           stop_row, stop_valid_row, np.asarray([max_new_tokens], np.int32))
     decode = self._aux[("set_row", decode.root.shape[0])](decode, np.asarray([row], np.int32), row_state)
-    return first, decode
+    return first, decode, prompt_chunks
 
   # ---- generation --------------------------------------------------------------------------
   def request(self, prompt, max_new_tokens: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-              stop_token_ids: Sequence[int] | None = None, logprobs: bool = True) -> "Request":
+              stop_token_ids: Sequence[int] | None = None, logprobs: bool = True,
+              prompt_logprobs: bool = False) -> "Request":
     """A validated request (raises EngineError/ValueError naming the bad argument); ``seed`` as in
     ``generate``. ``logprobs``: keep its tokens' log-probabilities on the host (when the decoder
-    computes them); a server sets it per request, since building them costs host time a step."""
+    computes them); a server sets it per request, since building them costs host time a step.
+    ``prompt_logprobs``: also each prompt token's after the first (``Request.prompt_logprobs``;
+    its prefill then computes every position's logits)."""
+    if prompt_logprobs and self.logprobs is None:
+      raise EngineError("prompt_logprobs needs a decoder that computes log-probabilities "
+                        "(SpeculativeDecoder(logprobs=n))")
     (arr,), (limit,) = self._check_prompts([prompt], [max_new_tokens])
     sampling = verify_lib.SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p,
                                               seed=_fresh_seeds(seed, 1))
     stop_tokens, stop_valid = self._stop_arrays(stop_token_ids, 1)
     return Request(prompt=arr, max_new_tokens=limit, sampling=sampling, stop_tokens=stop_tokens[0],
-                   stop_valid=stop_valid[0], want_logprobs=bool(logprobs))
+                   stop_valid=stop_valid[0], want_logprobs=bool(logprobs),
+                   want_prompt_logprobs=bool(prompt_logprobs))
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens, *, budget: int | None = None,
                budget_schedule: Callable[[int], int] | None = None, temperature=0.0, top_k=0, top_p=1.0,
@@ -721,6 +766,10 @@ class Request:
   # ``want_logprobs``, else empty.
   logprobs: list = dataclasses.field(default_factory=list)
   want_logprobs: bool = True
+  # With ``want_prompt_logprobs``, one TokenLogprob per prompt token after the first, filled by the
+  # first ``collect`` after admission (with the first token).
+  prompt_logprobs: list = dataclasses.field(default_factory=list)
+  want_prompt_logprobs: bool = False
   # "stop" or "length" once finished; "cancelled" when ``Batch.cancel`` ended it (a caller may
   # pass its own reason, for example "stop" for a stop string the host found).
   finish_reason: str | None = None
@@ -729,6 +778,7 @@ class Request:
   # ``first_token``), on the device until the first ``collect`` that covers the request reads it
   # (admission never waits for the device).
   first: jax.Array | None = None
+  prompt_chunks: list = dataclasses.field(default_factory=list)  # on the device until then too
 
   @property
   def finished(self) -> bool:
@@ -737,6 +787,15 @@ class Request:
   def finish(self) -> None:
     stops = set(self.stop_tokens[self.stop_valid].tolist())
     self.finish_reason = "stop" if self.tokens and self.tokens[-1] in stops else "length"
+
+
+def _prompt_entries(chunks, top_n: int, count: int) -> list:
+  """The first ``count`` TokenLogprobs of a prompt's packed chunks (``prefill_logprobs_step``)."""
+  entries = []
+  for packed in chunks:
+    q_len = packed.shape[1] // (1 + 2 * top_n)
+    entries += logprobs_lib.host_entries(_unpack_logprobs(packed, q_len, top_n), 0, q_len)
+  return entries[:count]
 
 
 class Batch:
@@ -781,17 +840,18 @@ class Batch:
     if not free:
       raise EngineError(f"no free row: all {self.bucket} rows of the batch are running (admit after one leaves)")
     row = free[0]
-    slot, first, self.decode = self.decoder._admit(  # pylint: disable=protected-access
+    slot, first, self.decode, prompt_chunks = self.decoder._admit(  # pylint: disable=protected-access
         request.prompt, row, self.decode, request.sampling, request.stop_tokens[None], request.stop_valid[None],
-        request.max_new_tokens)
-    request.slot, request.first = slot, first
+        request.max_new_tokens, request.want_prompt_logprobs)
+    request.slot, request.first, request.prompt_chunks = slot, first, prompt_chunks
     self.rows[row] = request
     self.slots[row] = slot
     for field in ("temperature", "top_k", "top_p", "seed"):
       getattr(self.sampling, field)[row] = getattr(request.sampling, field)[0]
     self.stop_tokens[row], self.stop_valid[row] = request.stop_tokens, request.stop_valid
     self._device_inputs = None
-    first.copy_to_host_async()  # read by the next collect, as a step's output is
+    for array in (first, *prompt_chunks):
+      array.copy_to_host_async()  # read by the next collect, as a step's output is
 
   def _leave(self, request: Request) -> None:
     """Frees the request's row and slot (it has finished or was cancelled)."""
@@ -868,7 +928,7 @@ class Batch:
   def collect(self, handle) -> StepStats:
     """Reads a dispatched step's tokens (waiting for it), finishes and releases requests."""
     budget, out, rows, slots, host_time = handle
-    firsts = {row: r.first for row, r in enumerate(rows) if r is not None and r.first is not None}
+    firsts = {row: (r.first, r.prompt_chunks) for row, r in enumerate(rows) if r is not None and r.first is not None}
     packed, firsts = jax.device_get((out, firsts))
     top_n = self.decoder.logprobs
     host = unpack_output(packed, top_n)
@@ -888,8 +948,11 @@ class Batch:
       if request is None or request.finished:  # an empty row, or one cancelled since the dispatch
         continue
       if row in firsts:
-        token, active, first_lp = unpack_first(firsts[row], top_n)
-        request.first = None
+        first, prompt_chunks = firsts[row]
+        token, active, first_lp = unpack_first(first, top_n)
+        request.first, request.prompt_chunks = None, []
+        if prompt_chunks:
+          request.prompt_logprobs = _prompt_entries(prompt_chunks, top_n, len(request.prompt) - 1)
         request.tokens.append(token)
         if first_lp is not None and request.want_logprobs:
           request.logprobs.extend(logprobs_lib.host_entries(first_lp, 0, 1))

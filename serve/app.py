@@ -281,6 +281,11 @@ def _check_logprobs(eng: Engine, body, chat: bool) -> None:
     raise ApiError(400, f"{param}={wanted} exceeds this server's --max-logprobs {limit}", param=param)
 
 
+def _echoes_logprobs(body, chat: bool) -> bool:
+  """Completions with ``echo`` and ``logprobs`` return the prompt's log-probabilities too."""
+  return not chat and bool(body.echo) and body.top_logprobs_wanted is not None
+
+
 def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: bool, sink) -> Job:
   _check_logprobs(eng, body, chat)
   context = eng.max_context
@@ -297,7 +302,8 @@ def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: b
     request = eng.loop.decoder.request(prompt_ids, max_tokens, temperature=temperature, top_k=top_k,
                                        top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
                                        stop_token_ids=_stop_ids(eng, body, chat),
-                                       logprobs=body.top_logprobs_wanted is not None)
+                                       logprobs=body.top_logprobs_wanted is not None,
+                                       prompt_logprobs=_echoes_logprobs(body, chat))
   except ValueError as err:  # EngineError and SamplingParams' checks name the argument
     raise ApiError(400, str(err)) from None
   return Job(request=request, text=StreamText(eng.codec, body.stop_strings), sink=sink)
@@ -379,7 +385,7 @@ async def _next_event(events: asyncio.Queue, eng: Engine) -> Event:
 async def _stream(events, eng: Engine, job: Job, reply: "_Reply", first: Event, echo: str) -> AsyncIterator[str]:
   finished = False
   try:
-    yield _sse(reply.chunk(echo, None, role=True))
+    yield _sse(reply.chunk(echo, None, role=True, event=first))
     event = first
     while True:
       if event.error:
@@ -422,6 +428,8 @@ class _Reply:
     self._sent_token_ids = 0
     wanted = body.top_logprobs_wanted
     self._logprobs = None if wanted is None else _Logprobs(eng.codec, chat, wanted)
+    self.prompt_ids = list(prompt_ids)
+    self._echo_logprobs = _echoes_logprobs(body, chat)
 
   def usage(self, event: Event) -> dict:
     return {"prompt_tokens": self.prompt_tokens, "completion_tokens": event.completion_tokens,
@@ -430,7 +438,9 @@ class _Reply:
   def full(self, text: str, last: Event) -> dict:
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
     if self._logprobs is not None:
-      choice["logprobs"] = self._logprobs.block(last.tokens, last.token_logprobs(), 0)
+      prompt = self._logprobs.prompt_block(self.prompt_ids, last.prompt_logprobs) if self._echo_logprobs else None
+      generated = self._logprobs.block(last.tokens, last.token_logprobs(), 0)
+      choice["logprobs"] = generated if prompt is None else {k: prompt[k] + generated[k] for k in generated}
     if self.chat:
       choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -447,10 +457,12 @@ class _Reply:
                          ({"content": text} if text else {}))
     else:
       choice["text"] = text
-    if event is not None and self._logprobs is not None and event.completion_tokens > self._logprobs.sent:
+    if role and event is not None and self._echo_logprobs:  # the echoed prompt's chunk: its entries
+      choice["logprobs"] = self._logprobs.prompt_block(self.prompt_ids, event.prompt_logprobs)
+    elif event is not None and not role and self._logprobs is not None and event.completion_tokens > self._logprobs.sent:
       start = self._logprobs.sent
       choice["logprobs"] = self._logprobs.block(event.tokens, event.token_logprobs(start), start)
-    if self.body.return_token_ids and event is not None and event.completion_tokens:
+    if self.body.return_token_ids and event is not None and event.completion_tokens and not role:
       choice["token_ids"] = event.token_ids(self._sent_token_ids)
       self._sent_token_ids = event.completion_tokens
     out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -496,14 +508,34 @@ class _Logprobs:
       token = self._token(token_id)
       out["tokens"].append(token)
       out["token_logprobs"].append(_finite(entry.logprob))
-      # The legacy format always includes the chosen token: up to logprobs + 1 entries.
-      top = {self._token(i): _finite(lp) for i, lp in entry.top[:self.top_n]}
-      top.setdefault(token, _finite(entry.logprob))
-      out["top_logprobs"].append(top)
+      out["top_logprobs"].append(self._top(token, entry))
       out["text_offset"].append(self._offset)
-      if self.codec.decode([token_id]):  # special tokens have no text: they move no offset
-        self._offset += len(self._utf8.decode(self.codec.token_bytes(token_id)))
+      self._advance(token_id)
     return out
+
+  def prompt_block(self, prompt_ids, entries) -> dict:
+    """The completions-format block of an echoed prompt: its first token has no log-probability
+    (null, as OpenAI gives it), each later one the entry of ``entries`` (one a token after the first)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, token_id in enumerate(prompt_ids):
+      entry = entries[i - 1] if i else None
+      token = self._token(token_id)
+      out["tokens"].append(token)
+      out["token_logprobs"].append(None if entry is None else _finite(entry.logprob))
+      out["top_logprobs"].append(None if entry is None else self._top(token, entry))
+      out["text_offset"].append(self._offset)
+      self._advance(token_id)
+    return out
+
+  def _top(self, token: str, entry) -> dict:
+    # The legacy format always includes the chosen token: up to logprobs + 1 entries.
+    top = {self._token(i): _finite(lp) for i, lp in entry.top[:self.top_n]}
+    top.setdefault(token, _finite(entry.logprob))
+    return top
+
+  def _advance(self, token_id) -> None:
+    if self.codec.decode([token_id]):  # special tokens have no text: they move no offset
+      self._offset += len(self._utf8.decode(self.codec.token_bytes(token_id)))
 
   def _chat_entry(self, token_id, entry) -> dict:
     return {**self._described(token_id, entry.logprob),

@@ -147,6 +147,7 @@ class Event:
   # The request's logprobs.TokenLogprob list (one a token when the engine computes them), held the
   # same way.
   logprobs: Sequence = ()
+  prompt_logprobs: Sequence = ()  # each prompt token's after the first, when the request asked
 
   def token_ids(self, start: int = 0) -> list[int]:
     """The event's token ids from index ``start`` on (all of them by default)."""
@@ -411,7 +412,8 @@ class EngineLoop:
       elif finished:
         self._finish(job, text=text, reason=request.finish_reason)
       elif text:
-        job.sink(Event(text=text, completion_tokens=len(tokens), tokens=tokens, logprobs=request.logprobs))
+        job.sink(Event(text=text, completion_tokens=len(tokens), tokens=tokens, logprobs=request.logprobs,
+                       prompt_logprobs=request.prompt_logprobs))
 
   @staticmethod
   def _stop_ids(request: engine.Request) -> set:
@@ -428,7 +430,7 @@ class EngineLoop:
     tokens = job.request.tokens
     count = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
     job.sink(Event(text=text, completion_tokens=count, tokens=tokens, logprobs=job.request.logprobs,
-                   finish_reason=reason, error=error))
+                   prompt_logprobs=job.request.prompt_logprobs, finish_reason=reason, error=error))
 
   def _caches_usable(self, with_decode: bool = False) -> bool:
     """False if a failure deleted the caches (donation) or left them holding an error; with

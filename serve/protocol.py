@@ -1,7 +1,7 @@
 """OpenAI request bodies, their checks, and error bodies.
 
 Every field a client can send is listed. A field this server cannot honour (penalties, logit
-bias, tools, ``n`` > 1, the prompt's log probabilities) is refused with 400 when set to anything
+bias, tools, ``n`` > 1) is refused with 400 when set to anything
 but its neutral value, and an unknown field is refused too: a client's intent is never silently
 dropped. Types are strict (``"max_tokens": "5"`` or ``"stream": "yes"`` are 400s, not coerced);
 an int is accepted where a float is expected.
@@ -132,9 +132,6 @@ class CompletionRequest(_Sampling):
   def check(self, max_stop_strings: int = 16) -> None:
     super().check(max_stop_strings)
     _check_top_logprobs("logprobs", self.logprobs)
-    if self.logprobs is not None and self.echo:
-      raise ApiError(400, "echo with logprobs is not supported: this server computes the log-probabilities "
-                     "of generated tokens, not of the prompt", param="logprobs")
     if self.best_of not in (None, 1):
       raise ApiError(400, f"best_of={self.best_of} is not supported (only 1)", param="best_of")
     if self.suffix is not None:

@@ -101,11 +101,12 @@ def reference(model, prompts):
 @pytest.fixture(scope="module")
 def dec(model, prompts, reference):
   """Budgets 0 and 8, a bucket of 4 (so a batch of 3 carries a padding row), an oracle drafter of
-  the greedy continuations (drafts are accepted, so tokens come from nodes deep in the tree)."""
+  the greedy continuations (drafts are accepted, so tokens come from nodes deep in the tree),
+  prompts prefilled in chunks of 16 (two of the three span chunks)."""
   continuations = drafters.greedy_continuations(prompts, reference[0])
   drafter = drafters.OracleDrafter.make(continuations, vocab_size=CFG.vocab_size, max_len=MAX_LEN, noise=0.2)
   return engine.SpeculativeDecoder(model, drafter, policy="ddtree", budgets=(0, 8), batch_buckets=(4,),
-                                   max_len=MAX_LEN, logprobs=TOP_N, show_progress=False)
+                                   max_len=MAX_LEN, prefill_chunk=16, logprobs=TOP_N, show_progress=False)
 
 
 def teacher_forced_logprobs(model, prompt, generated):
@@ -171,6 +172,8 @@ def test_without_logprobs_none_are_returned(model):
                                     batch_buckets=(1,), max_len=32, prefill_chunk=16, show_progress=False)
   result = plain.generate([[5, 6, 7]], 3, stop_token_ids=[])
   assert result.logprobs is None and plain.logprobs is None
+  with pytest.raises(engine.EngineError, match="prompt_logprobs needs a decoder that computes"):
+    plain.request([5, 6, 7], 3, prompt_logprobs=True)
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, CFG.vocab_size + 1, "3"])
@@ -212,3 +215,20 @@ def test_a_packed_output_read_with_the_wrong_count_is_refused():
   assert engine.unpack_output(packed, 3).logprobs.top.shape == (2, 5, 3)
   with pytest.raises(ValueError, match="holds no logprobs with top_n=2"):
     engine.unpack_output(packed, 2)
+
+
+def test_prompt_logprobs_equal_the_teacher_forced_target_across_chunks(model, prompts, dec):
+  """``echo`` with logprobs: each prompt token's log-probability given the tokens before it, from
+  the prefill's chunks (30 tokens in chunks of 16: a chunk's last row predicts the next chunk's
+  first token)."""
+  batch = engine.Batch(dec, 4)
+  requests = [dec.request(p, 3, stop_token_ids=[], prompt_logprobs=True) for p in prompts[1:]]
+  plain = dec.request(prompts[2], 3, stop_token_ids=[])
+  for request in (*requests, plain):
+    batch.admit(request)
+  while batch.num_running:
+    batch.collect(batch.dispatch(8))
+  for prompt, request in zip(prompts[1:], requests):
+    assert len(request.prompt_logprobs) == len(prompt) - 1 and len(request.logprobs) == 3
+    check_against_reference(model, prompt[:1], prompt[1:], request.prompt_logprobs, greedy=False)
+  assert plain.prompt_logprobs == [] and plain.tokens == requests[1].tokens

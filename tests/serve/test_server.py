@@ -258,6 +258,24 @@ def test_logprobs_in_both_formats_equal_the_target_and_stream_as_they_return(ser
   assert streamed["tokens"] == lp["tokens"][:n] and streamed["text_offset"] == offsets[:n]
   np.testing.assert_allclose(streamed["token_logprobs"], lp["token_logprobs"][:n], atol=1e-5)
 
+  # echo with logprobs, as lm-eval's loglikelihood requests send it: the prompt's entries first (its
+  # first token's null), then the generated token's, one teacher-forced reference for all.
+  echo = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+  echoed = httpx.post(server.url + "/v1/completions", json=echo).json()["choices"][0]
+  prompt_ids = codec.completion_prompt(prompt)
+  e = echoed["logprobs"]
+  assert len(e["tokens"]) == len(prompt_ids) + 1 and e["token_logprobs"][0] is None and e["top_logprobs"][0] is None
+  assert echoed["text"] == prompt + full["text"][:len(echoed["text"]) - len(prompt)]
+  whole = teacher_forced_logprobs(server, prompt_ids[:1], prompt_ids[1:] + ids[:1])
+  np.testing.assert_allclose(e["token_logprobs"][1:], whole[np.arange(len(prompt_ids)), prompt_ids[1:] + ids[:1]],
+                             atol=2e-4)
+  assert all(len(top) <= 2 for top in e["top_logprobs"][1:])
+  assert e["text_offset"][0] == 0 and e["text_offset"][-1] == len(prompt)  # ASCII: characters of the prompt
+  with httpx.stream("POST", server.url + "/v1/completions", json={**echo, "stream": True}, timeout=300) as r:
+    chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+  assert chunks[0]["choices"][0]["text"] == prompt and chunks[0]["choices"][0]["logprobs"]["tokens"] == e["tokens"][:-1]
+  assert [t for c in chunks[1:] for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])] == e["tokens"][-1:]
+
   # Chat through the OpenAI client: content entries whose bytes rebuild the reply.
   messages = [{"role": "user", "content": "Write a parser."}]
   chat = client.chat.completions.create(model="kimi-demo", messages=messages, max_tokens=20, temperature=0,

@@ -292,7 +292,6 @@ def test_fault_injector_spec():
     ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": True}, 400, "logprobs"),  # strict: a bool is no count
-    ({"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),  # the prompt's are not computed
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
