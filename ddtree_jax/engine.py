@@ -243,6 +243,11 @@ def prefill_logprobs_step(target: KimiModel, drafter_params, target_cache, draft
                           next_tokens, *, drafter, logprobs: int):
   """``prefill_step`` that also returns the chunk's prompt log-probabilities (``echo`` with logprobs).
 
+  The last row's logits, from which the first token is drawn, come from the head over all rows,
+  not over the one row ``prefill_step`` gathers: where a GPU's GEMMs round the two shapes
+  differently in the last bits, the first token may differ from plain decoding at a near tie (the
+  rule every equality test applies), never elsewhere. Only requests that ask take this path.
+
   Args:
     next_tokens: int32[B, C], the prompt token after each row's (what its logits predict).
   Returns:
@@ -858,6 +863,7 @@ class Batch:
     row = self.rows.index(request)
     self.decoder.pool.release(request.slot)
     request.slot = None
+    request.first, request.prompt_chunks = None, []  # a step in flight keeps its own reference
     self.rows[row] = None
     self.slots[row] = self.decoder.pool.scratch_slot
     self._device_inputs = None

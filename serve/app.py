@@ -518,7 +518,7 @@ class _Logprobs:
     (null, as OpenAI gives it), each later one the entry of ``entries`` (one a token after the first)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for i, token_id in enumerate(prompt_ids):
-      entry = entries[i - 1] if i else None
+      entry = entries[i - 1] if 0 < i <= len(entries) else None  # null where none was computed
       token = self._token(token_id)
       out["tokens"].append(token)
       out["token_logprobs"].append(None if entry is None else _finite(entry.logprob))

@@ -273,8 +273,13 @@ def test_logprobs_in_both_formats_equal_the_target_and_stream_as_they_return(ser
   assert e["text_offset"][0] == 0 and e["text_offset"][-1] == len(prompt)  # ASCII: characters of the prompt
   with httpx.stream("POST", server.url + "/v1/completions", json={**echo, "stream": True}, timeout=300) as r:
     chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
-  assert chunks[0]["choices"][0]["text"] == prompt and chunks[0]["choices"][0]["logprobs"]["tokens"] == e["tokens"][:-1]
-  assert [t for c in chunks[1:] for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])] == e["tokens"][-1:]
+  head = chunks[0]["choices"][0]
+  assert head["text"] == prompt and "token_ids" not in head
+  for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+    assert head["logprobs"][key] == e[key][:-1], key
+  tail = [c["choices"][0]["logprobs"] for c in chunks[1:] if c["choices"] and c["choices"][0]["logprobs"]]
+  assert [t for block in tail for t in block["tokens"]] == e["tokens"][-1:]
+  assert [o for block in tail for o in block["text_offset"]] == [len(prompt)]  # offsets run on from the echo
 
   # Chat through the OpenAI client: content entries whose bytes rebuild the reply.
   messages = [{"role": "user", "content": "Write a parser."}]
