@@ -231,12 +231,21 @@ def _check_policy_tree(drafted, policy, budget: int, batch: int):
 def prefill_step(target: KimiModel, drafter_params, target_cache, drafter_state, tokens, num_valid, slots, *,
                  drafter):
   """One prompt chunk into the target cache and the drafter context; returns last-row logits."""
+  logits, target_cache, drafter_state = _prefill_chunk(target, drafter_params, target_cache, drafter_state, tokens,
+                                                       num_valid, slots, drafter, all_logits=False)
+  return target_cache, drafter_state, logits[:, 0]
+
+
+def _prefill_chunk(target, drafter_params, target_cache, drafter_state, tokens, num_valid, slots, drafter, *,
+                   all_logits: bool):
+  """The target's prefill of one chunk and the drafter's extension with its features; returns
+  (logits [B, C, V] with ``all_logits``, else the last real row's [B, 1, V], target_cache, drafter_state)."""
   out, target_cache = fwd.prefill_chunk(target, tokens, num_valid, slots, target_cache,
-                                        feature_layers=drafter.feature_layers)
+                                        feature_layers=drafter.feature_layers, all_logits=all_logits)
   start = target_cache.lengths[slots] - num_valid
   positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
   drafter_state = drafter.extend(drafter_params, drafter_state, slots, tokens, positions, out.features, num_valid)
-  return target_cache, drafter_state, out.logits[:, 0]
+  return out.logits, target_cache, drafter_state
 
 
 def prefill_logprobs_step(target: KimiModel, drafter_params, target_cache, drafter_state, tokens, num_valid, slots,
@@ -255,14 +264,11 @@ def prefill_logprobs_step(target: KimiModel, drafter_params, target_cache, draft
     log-probability of its next token and the row's top ``logprobs``, packed as ``pack_output``
     packs them).
   """
-  out, target_cache = fwd.prefill_chunk(target, tokens, num_valid, slots, target_cache,
-                                        feature_layers=drafter.feature_layers, all_logits=True)
-  start = target_cache.lengths[slots] - num_valid
-  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  drafter_state = drafter.extend(drafter_params, drafter_state, slots, tokens, positions, out.features, num_valid)
-  last = jnp.take_along_axis(out.logits, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+  logits, target_cache, drafter_state = _prefill_chunk(target, drafter_params, target_cache, drafter_state, tokens,
+                                                       num_valid, slots, drafter, all_logits=True)
+  last = jnp.take_along_axis(logits, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
   rows = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  lp = logprobs_lib.token_logprobs(out.logits, rows, next_tokens.astype(jnp.int32), logprobs)
+  lp = logprobs_lib.token_logprobs(logits, rows, next_tokens.astype(jnp.int32), logprobs)
   return target_cache, drafter_state, last, jnp.concatenate(_pack_logprobs(lp), axis=1)
 
 
