@@ -18,6 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from models import topk
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ def token_logprobs(logits, nodes, tokens, top_n: int) -> TokenLogprobs:
                          top=jnp.zeros((batch, q_len, 0), jnp.float32))
   # top-k over every node, then the emitting nodes' rows: gathering [B, Q, V] first would copy the
   # logits (top_k reads a materialised array), and a tree has no more nodes than Q anyway.
-  top, top_ids = jax.lax.top_k(z, top_n)  # [B, N, n]
+  top, top_ids = topk.top_k(z, top_n)  # [B, N, n]
   top = jnp.take_along_axis(top, nodes[:, :, None], axis=1)
   top_ids = jnp.take_along_axis(top_ids, nodes[:, :, None], axis=1)
   return TokenLogprobs(token=token, top_ids=top_ids.astype(jnp.int32), top=top - node_norm[:, :, None])

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import topk
 from models.cache import SlotPooled
 from models.config import ConfigError, KimiConfig, rope_scaling_fields, rope_theta_field, yarn_mscale
 from models.kimi import RMSNorm, yarn_inv_freq_of
@@ -657,7 +658,7 @@ def propose(model: DFlashModel, embed_table, lm_head_kernel, cache: DFlashCache,
   """Top-k of each position's log-softmax: (ids int32[B, L, k], logprobs float32[B, L, k]),
   sorted descending (ids distinct per position)."""
   logits = block_logits(model, embed_table, lm_head_kernel, cache, slots, root_tokens, start)
-  logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+  logprobs, ids = topk.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
   return ids.astype(jnp.int32), logprobs
 
 
