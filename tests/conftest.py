@@ -8,7 +8,21 @@ tests, the notebook's 60 s among them, for the end, where one worker then waits 
 Longest first, the two finish together.
 """
 
-from tests import interpret_speedup
+import os
+
+# Set before jax starts a backend (it reads XLA_FLAGS then). XLA:CPU splits each executable's code
+# generation into parallel modules by default; on the 2-core CI machine, with both cores already
+# running a test worker, the split costs more than it saves: one tiny-model decoder compiled in
+# 12.4-13.0 CPU-s with one module against 14.4 with the default (2026-12-07), with bit-identical
+# logits (the bf16 demo target's and the tiny model's greedy margins compared in float64).
+if "xla_cpu_parallel_codegen_split_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_parallel_codegen_split_count=1").strip()
+# GPU runs under pytest-xdist: each worker would otherwise claim 75% of the GPU's memory at its first
+# allocation, and every test after the first worker's start fails with CUDA_ERROR_OUT_OF_MEMORY.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from tests import interpret_speedup  # pylint: disable=wrong-import-position  # after the flags above
 
 interpret_speedup.install()
 

@@ -47,13 +47,14 @@ def test_greedy_speculative_equals_target_and_keeps_a_tau_floor(pair):
 
 
 @pytest.mark.parametrize("configs", [
-    (("chain", 8), ("ddtree", 64)),  # the smallest and largest budgets, both policies
-    pytest.param((("chain", 32), ("ddtree", 16)), marks=pytest.mark.slow),
+    (("ddtree", 64),),  # the largest budget: the bf16 drafter, tree and cache paths in one decoder
+    pytest.param((("chain", 8), ("chain", 32), ("ddtree", 16)), marks=pytest.mark.slow),
 ])
 def test_bf16_on_the_cpu_is_lossless_under_the_bf16_rule(configs):
   """bf16 weights and activations on the CPU (XLA CPU): speculative output equals greedy decoding
-  under DESIGN's bf16 near-tie rule at the policies and budgets the GPU test runs (two of them by
-  default, the other two under ``-m slow``).
+  under DESIGN's bf16 near-tie rule at the policies and budgets the GPU test runs (ddtree at 64 by
+  default, the other three under ``-m slow``: the chain policy runs the same bf16 engine, drafter
+  and cache code, and the float32 tests cover it at every budget).
 
   The GPU's bf16 runs leave the rule (README's open problem, also with the XLA target alone);
   here (8 prompts x 48 tokens) every stream equals greedy exactly on the CPU. So this test keeps
@@ -77,4 +78,6 @@ def test_bf16_on_the_cpu_is_lossless_under_the_bf16_rule(configs):
     taus[policy] = max(taus.get(policy, 0.0), result.mean_accepted_length)
     print(f"bf16 {policy}/{budget}: tau {result.mean_accepted_length:.2f}, near ties {ties}")
   # The same floors as the GPU test: a broken drafter sits near 1.
-  assert taus["chain"] > 2.0 and taus["ddtree"] > 2.5 and taus["ddtree"] > taus["chain"]
+  assert taus["ddtree"] > 2.5, taus
+  if "chain" in taus:
+    assert taus["chain"] > 2.0 and taus["ddtree"] > taus["chain"], taus
