@@ -27,6 +27,11 @@ from models.config import KimiConfig
 from pallas_kernels import moe
 
 INTERPRET = plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+# Most of this file's time is XLA:CPU compiling the interpreted kernels: 1-1.5 s of CPU an
+# executable, against 0.1-0.4 s to run one at these sizes (with tests/interpret_speedup.py), so
+# smaller sizes save little and fewer executables much. Tests that compare several calls make them
+# in one jitted program (``jointly``), and unjitted entry points run under jit, which compiles each
+# call's kernels afresh otherwise.
 # Not multiples of the tiles: H = 224 is 3.5 bf16 gate/up k-steps (64) and 3.5 down output tiles
 # (64); I = 96 is 1.5 gate/up output tiles and 0.75 of a down k-step (128).
 E, H, I = 6, 224, 96
@@ -58,8 +63,15 @@ def sorted_rows(rng, order, group_sizes, hidden):
 
 
 def random_weights(seed, num_experts=E, hidden=H, inter=I, scale=0.08):
-  keys = jax.random.split(jax.random.key(seed), 3)
   shapes = ((num_experts, hidden, inter), (num_experts, hidden, inter), (num_experts, inter, hidden))
+  if num_experts * hidden * inter <= 1 << 24:
+    # Drawn by numpy: jax.random.normal compiles once per shape (0.4 s of CPU each; the CPU tests'
+    # weights come in a dozen shapes).
+    rng = np.random.default_rng(seed)
+    return moe.Bf16Experts(*(jnp.asarray((rng.standard_normal(s, np.float32) * scale).astype(ml_dtypes.bfloat16))
+                             for s in shapes))
+  # K2.6's widths (GPU tests): 0.7 to 2 billion values, drawn on the device.
+  keys = jax.random.split(jax.random.key(seed), 3)
   return moe.Bf16Experts(*((jax.random.normal(k, s) * scale).astype(jnp.bfloat16)
                            for k, s in zip(keys, shapes)))
 
@@ -79,7 +91,7 @@ def numpy_unpack_kernel_layout(m: moe.KernelInt4Matrix):
   q = np.moveaxis(q, 0, 2)
   k = m.in_features
   assert (q[:, :, k:] == 0).all(), "padding past K must be zero weights"
-  return q[:, :, :k], np.asarray(m.scale.astype(jnp.float32))[:, :, :k // moe.GROUP_SIZE]
+  return q[:, :, :k], np.asarray(m.scale).astype(np.float32)[:, :, :k // moe.GROUP_SIZE]
 
 
 def numpy_dequantize(m) -> np.ndarray:
@@ -88,9 +100,14 @@ def numpy_dequantize(m) -> np.ndarray:
     q, scale = numpy_unpack_kernel_layout(m)  # [E, N, K], [E, N, K / 32]
     q, scale = np.swapaxes(q, 1, 2), np.swapaxes(scale, 1, 2)
   else:
-    q, scale = np.swapaxes(np.asarray(m.q).astype(np.int32), 1, 2), np.asarray(m.scale.astype(jnp.float32))
+    q, scale = np.swapaxes(np.asarray(m.q).astype(np.int32), 1, 2), np.asarray(m.scale).astype(np.float32)
   scale = np.repeat(scale, moe.GROUP_SIZE, axis=1)  # group k // 32
   return (q.astype(np.float32) * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@jax.jit  # one compilation a shape, where op by op each call's new shape compiles ~10 ops
+def _routed_experts_f32(x_sorted, group_sizes, *weights):
+  return kimi.routed_experts(jnp.nan_to_num(x_sorted.astype(jnp.float32)), group_sizes, *weights)
 
 
 def reference(x_sorted, group_sizes, experts) -> np.ndarray:
@@ -98,10 +115,9 @@ def reference(x_sorted, group_sizes, experts) -> np.ndarray:
   if isinstance(experts, moe.Int4Experts):
     weights = [numpy_dequantize(m) for m in (experts.gate, experts.up, experts.down)]
   else:
-    weights = [np.asarray(w.astype(jnp.float32)) for w in experts]
-  x = jnp.nan_to_num(x_sorted.astype(jnp.float32))
+    weights = [np.asarray(w).astype(np.float32) for w in experts]
   with jax.default_matmul_precision("highest"):
-    y = kimi.routed_experts(x, jnp.asarray(group_sizes), *map(jnp.asarray, weights))
+    y = _routed_experts_f32(x_sorted, jnp.asarray(group_sizes), *map(jnp.asarray, weights))
   return np.asarray(y)
 
 
@@ -110,13 +126,21 @@ def as_format(experts: moe.Bf16Experts, fmt: str):
 
 
 def assert_close(got, want, num_routed):
-  got = np.asarray(jnp.asarray(got).astype(jnp.float32))
+  got = np.asarray(got).astype(np.float32)  # in numpy: a jnp cast compiles for every new shape
   assert np.isfinite(got).all(), "non-finite output"
   assert (got[num_routed:] == 0).all(), "rows past sum(group_sizes) must be zero"
   got, want = got[:num_routed], want[:num_routed]
   rel = np.linalg.norm(got - want) / np.linalg.norm(want)
   worst = np.abs(got - want).max() / np.abs(want).max()
   assert rel < REL_L2 and worst < MAX_FRACTION, f"relative L2 {rel:.2e}, max error {worst:.2e} of max|ref|"
+
+
+def jointly(fn, *args):
+  """``fn(*args)`` under ``jax.jit``, for a test's several kernel calls in one program: it compiles in
+  well under the sum of their own executables (six of test_kernel_work_list's calls: 7.7 s of CPU
+  against 11.2 s). The interpreter orders the kernels of one program (a token through each), so
+  each runs as it would alone."""
+  return jax.jit(fn)(*args)
 
 
 def bf16_ulps_apart(a, b) -> np.ndarray:
@@ -162,8 +186,9 @@ def test_matches_reference_random_routing(fmt, num_tokens):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_all_tokens_on_one_expert(fmt):
-  # 40 rows on expert 4: three work items of 16 rows for one expert, the last one partial.
-  check_case(fmt, 40, seed=7, interpret=INTERPRET, top_k=1, allowed=(4,), num_padded=3)
+  # 40 rows on expert 4: three work items of 16 rows for one expert, the last one partial. Two
+  # padded rows: 42 rows, as test_matches_reference_random_routing[17-*] (one executable for both).
+  check_case(fmt, 40, seed=7, interpret=INTERPRET, top_k=1, allowed=(4,), num_padded=2)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
@@ -186,6 +211,11 @@ def test_expert_over_two_windows_at_32_rows(fmt):
   experts = as_format(random_weights(12), fmt)
   got = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=32, interpret=INTERPRET)
   assert_close(got, reference(x, sizes, experts), int(sizes.sum()))
+
+
+# The jnp work list as the model runs it, jitted: op by op, a call compiles its ~60 ops for each
+# new shape (1-2 s).
+work_list = jax.jit(moe.work_list, static_argnums=(1, 2))
 
 
 def expected_items(sizes, block_rows):
@@ -213,7 +243,7 @@ def test_work_list_against_a_loop():
   rng = np.random.default_rng(3)
   sizes = np.array([0, 40, 0, 0, 16, 5, 0, 9, 2, 3], np.int32)
   num_rows = int(sizes.sum()) + 2
-  work = moe.work_list(jnp.asarray(sizes), num_rows, 16)
+  work = work_list(jnp.asarray(sizes), num_rows, 16)
   slots = expected_slots(sizes, 16, num_rows)
   assert len(work.expert) == moe.max_work_items(len(sizes), num_rows, 16) >= len(slots)
   assert slots[4] == (-1, 0, 0, 0)  # expert 4's rows 40..55 fill one window; its second slot is dead
@@ -241,7 +271,7 @@ def test_work_list_from_rows_equals_work_list(num_experts, num_rows, block_rows)
   # Field for field the same list from each sorted row's expert as from the experts' row counts,
   # and from the counts with the ids for the rows' columns (the form for A > E): random,
   # clustered, single-expert and empty routings, padding ids of E and above.
-  from_sizes = jax.jit(moe.work_list, static_argnums=(1, 2))
+  from_sizes = work_list
   from_rows = jax.jit(moe.work_list_from_rows, static_argnums=(1, 2))
   with_ids = from_sizes  # the counts' list with the ids for the rows' columns (the A > E form)
   rng = np.random.default_rng(num_experts * 1000 + num_rows)
@@ -319,12 +349,12 @@ def test_sorted_expert_ids_give_the_same_result_and_are_checked():
     from_rows.append(True)
     return real_from_rows(*args, **kwargs)
 
-  with pytest.MonkeyPatch.context() as patch:  # the unjitted body, so the patches are seen
+  with pytest.MonkeyPatch.context() as patch:  # the unjitted body, traced here, so the patches are seen
     patch.setattr(moe, "work_list", sizes_form_must_not_run)
     patch.setattr(moe, "work_list_from_rows", spy)
     # The jnp list (384 experts' default; at 24 the gate/up kernel builds it from the counts).
-    by_rows = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET,
-                               False, jnp.asarray(ids), False, None, "jnp")
+    by_rows = jax.jit(lambda x, g, ex, i: moe._moe_experts(x, g, ex, None, None, None, None, INTERPRET, False, i, False,
+                                                           None, "jnp"))(x, jnp.asarray(sizes), experts, jnp.asarray(ids))
   assert from_rows
   np.testing.assert_array_equal(np.asarray(by_rows, np.float32), np.asarray(by_sizes, np.float32))
   assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
@@ -343,7 +373,8 @@ def test_row_ids_past_the_experts_give_the_rows_columns_without_an_a_by_e_pass()
   with_ids = str(jax.make_jaxpr(lambda g, i: moe._work(g, i, a, 16))(sizes, ids))
   without = str(jax.make_jaxpr(lambda g: moe._work(g, None, a, 16))(sizes))
   assert f"[{a},4]" in without and f"[{a},4]" not in with_ids
-  for field, x, y in zip(moe.WorkList._fields, moe._work(sizes, ids, a, 16), moe._work(sizes, None, a, 16)):
+  work = jax.jit(moe._work, static_argnums=(2, 3))  # op by op, its ops compile one by one
+  for field, x, y in zip(moe.WorkList._fields, work(sizes, ids, a, 16), work(sizes, None, a, 16)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=field)
 
 
@@ -362,15 +393,17 @@ def test_per_row_items_equal_the_sorted_rows_bit_for_bit(fmt, num_tokens, top_k)
   ids[0, -1] = E
   ids[-1, 0] = -1
   tokens = jnp.asarray(rng.standard_normal((num_tokens, H)), jnp.bfloat16)
-  got = np.asarray(moe.moe_experts_per_row(tokens, jnp.asarray(ids), experts, interpret=INTERPRET), np.float32)
-  assert got.shape == (num_tokens, top_k, H)
   flat = ids.reshape(-1)
   live = (flat >= 0) & (flat < E)
   order = np.argsort(np.where(live, flat, E), kind="stable")
   sizes = np.bincount(flat[live], minlength=E).astype(np.int32)
   x_sorted = jnp.asarray(tokens)[order // top_k]
-  by_sorted = np.asarray(moe.moe_experts(x_sorted, jnp.asarray(sizes), experts, interpret=INTERPRET,
-                                         expected_rows=flat.size), np.float32)
+  got, by_sorted = jointly(lambda t, i, x, g, ex: (
+      moe.moe_experts_per_row(t, i, ex, interpret=INTERPRET),
+      moe.moe_experts(x, g, ex, interpret=INTERPRET, expected_rows=flat.size)), tokens, jnp.asarray(ids), x_sorted,
+                           jnp.asarray(sizes), experts)
+  got, by_sorted = np.asarray(got, np.float32), np.asarray(by_sorted, np.float32)
+  assert got.shape == (num_tokens, top_k, H)
   got_sorted = got.reshape(-1, H)[order]
   np.testing.assert_array_equal(got_sorted, by_sorted)
   assert not got.reshape(-1, H)[~live].any()
@@ -386,11 +419,11 @@ def test_per_row_reads_only_live_pairs_experts(fmt):
   tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
   clean = as_format(random_weights(12), fmt)
   poisoned = poison_untouched(clean, (1, 4))
-  y, gate_up_steps, down_steps = moe._moe_experts_per_row(tokens, jnp.asarray(ids), poisoned, None, None, None, None,
-                                                          INTERPRET, True)
+  (y, gate_up_steps, down_steps), want = jointly(lambda t, i, poisoned, clean: (
+      moe._moe_experts_per_row(t, i, poisoned, None, None, None, None, INTERPRET, True),
+      moe.moe_experts_per_row(t, i, clean, interpret=INTERPRET)), tokens, jnp.asarray(ids), poisoned, clean)
   y = np.asarray(y, np.float32)
   assert np.isfinite(y).all() and not y[0, 1].any()
-  want = moe.moe_experts_per_row(tokens, jnp.asarray(ids), clean, interpret=INTERPRET)
   np.testing.assert_array_equal(y, np.asarray(want, np.float32))
   tiles = moe.default_tiles(clean)
   for steps, n_out, k_steps in ((gate_up_steps, I, -(-H // tiles.gate_up.block_k)),
@@ -410,36 +443,39 @@ def test_per_row_compact_grid_gives_the_full_grids_rows_and_tile_loads(fmt):
   rng = np.random.default_rng(71)
   experts = as_format(random_weights(71), fmt)
   tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
-  # (ids, grids): G = 1 and 3 (a second round) on 5 live pairs; more programs than live pairs.
-  cases = [(np.array([[1, E, 4, -1, 0, E, 5, 2]], np.int32), (1, 3)),  # 5 live pairs of 8, not in order
-           (np.array([[E, E, 3, E, E, E, E, E]], np.int32), (3,)),  # a lone live pair, at index 2
-           (np.full((1, 8), E, np.int32), (1,))]  # none: a step whose experts are all elsewhere
+  # G = 1 and 3 (a second round) on 5 live pairs; more programs than live pairs.
+  cases = [np.array([[1, E, 4, -1, 0, E, 5, 2]], np.int32),  # 5 live pairs of 8, not in order
+           np.array([[E, E, 3, E, E, E, E, E]], np.int32),  # a lone live pair, at index 2
+           np.full((1, 8), E, np.int32)]  # none: a step whose experts are all elsewhere
   if fmt == "int4":  # the grid's logic does not depend on the format: INT4 runs the first case only
     cases = cases[:1]
-  for ids, grids in cases:
+  # A program per pair, G = 1 and G = 3: one executable for every case.
+  grids = jax.jit(lambda t, i, ex: [moe._moe_experts_per_row(t, i, ex, None, None, None, None, INTERPRET, True,
+                                                             item_programs) for item_programs in (None, 1, 3)])
+  for ids in cases:
     ids = jnp.asarray(ids)
-    want = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True)
+    want, *compact = grids(tokens, ids, experts)
     live = (np.asarray(ids) >= 0) & (np.asarray(ids) < E)
     assert (np.asarray(want[1])[:, ~live[0]] == 0).all() and (np.asarray(want[1])[:, live[0]] > 0).all()
-    for item_programs in grids:
-      got = moe._moe_experts_per_row(tokens, ids, experts, None, None, None, None, INTERPRET, True, item_programs)
+    for item_programs, got in zip((1, 3), compact):
       for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                       err_msg=f"ids {np.asarray(ids)}, G = {item_programs}")
   # moe_experts hands item_programs to its per-row items: 3 sorted rows, the last one padding.
   rows = jnp.asarray(rng.standard_normal((3, H)), jnp.bfloat16)
   sizes = jnp.asarray([0, 1, 0, 1, 0, 0], jnp.int32)
-  one = moe.moe_experts_with_tile_loads(rows, sizes, experts, interpret=INTERPRET)
-  compact = moe.moe_experts_with_tile_loads(rows, sizes, experts, interpret=INTERPRET, item_programs=1)
+  one, compact = jointly(lambda r, g, ex: [moe.moe_experts_with_tile_loads(r, g, ex, interpret=INTERPRET,
+                                                                           item_programs=item_programs)
+                                           for item_programs in (None, 1)], rows, sizes, experts)
   assert np.asarray(one[1]).shape[1] == 3 and (np.asarray(one[1])[:, 2] == 0).all()  # per-row: 3 items
   for a, b in zip(compact, one):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   if fmt == "int4":  # the split gate/up: its fold kernel visits the pairs on the same compact grid
     x, _, chunk_experts, dims = chunk_case(fmt, seed=72)
     ids = jnp.asarray([[dims["num_experts"], 2, -1, 0]], jnp.int32)
-    pairs = [moe.moe_experts_per_row(x[:1], ids, chunk_experts, tiles=chunked_tiles(fmt, split, False),
-                                     interpret=INTERPRET, item_programs=g) for split, g in
-             ((False, None), (True, 1), (True, 3))]
+    pairs = jointly(lambda x, i, ex: [moe.moe_experts_per_row(x[:1], i, ex, tiles=chunked_tiles(fmt, split, False),
+                                                              interpret=INTERPRET, item_programs=g)
+                                      for split, g in ((False, None), (True, 1), (True, 3))], x, ids, chunk_experts)
     for p in pairs[1:]:
       np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(pairs[0], np.float32))
     jaxpr = str(jax.make_jaxpr(lambda x, i, ex: moe.moe_experts_per_row(
@@ -507,11 +543,15 @@ def test_moe_experts_takes_per_row_items_for_few_rows():
   def no_list(*args, **kwargs):
     raise AssertionError("a work list was built for per-row items")
 
+  # The unjitted body, traced under the patches (so they are seen), in one program: with the ids
+  # and by default (without them, each row's expert then comes from group_sizes).
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(moe, "work_list", no_list)
     patch.setattr(moe, "work_list_from_rows", no_list)
-    by_rows = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET,
-                               False, jnp.asarray(ids))
+    by_rows, by_sizes = jointly(lambda x, g, ex, i: (
+        moe._moe_experts(x, g, ex, None, None, None, None, INTERPRET, False, i),
+        moe._moe_experts(x, g, ex, None, None, None, None, INTERPRET, False)), x, jnp.asarray(sizes), experts,
+                                jnp.asarray(ids))
   with pytest.raises(ValueError, match="sorted_expert_ids"):
     moe.moe_experts(x, jnp.asarray(sizes), experts, sorted_expert_ids=jnp.asarray(ids[:-1]), interpret=INTERPRET)
   with pytest.raises(ValueError, match="per_row=1"):
@@ -520,14 +560,9 @@ def test_moe_experts_takes_per_row_items_for_few_rows():
   # builds the list from the counts, ids given or not (test_sorted_expert_ids_... runs the ids' list).
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(moe, "_per_row", no_list)
-    off = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET, False,
-                           jnp.asarray(ids), False)
+    off = jax.jit(lambda x, g, ex, i: moe._moe_experts(x, g, ex, None, None, None, None, INTERPRET, False, i, False))(
+        x, jnp.asarray(sizes), experts, jnp.asarray(ids))
     np.testing.assert_array_equal(np.asarray(off, np.float32), np.asarray(by_rows, np.float32))
-  # By default (without the ids, each row's expert then comes from group_sizes) per-row items run.
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(moe, "work_list", no_list)
-    patch.setattr(moe, "work_list_from_rows", no_list)
-    by_sizes = moe._moe_experts(x, jnp.asarray(sizes), experts, None, None, None, None, INTERPRET, False)
   np.testing.assert_array_equal(np.asarray(by_sizes, np.float32), np.asarray(by_rows, np.float32))
   assert_close(by_rows, reference(x, sizes, experts), int(sizes.sum()))
 
@@ -614,16 +649,18 @@ def check_deep_ring_gives_the_tuned_tiles_rows(experts, pair_ids, num_tokens, to
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
   ids = jnp.asarray([pair_ids], jnp.int32)
-  deep = moe.moe_experts_per_row(tokens, ids, experts, expected_rows=1, interpret=interpret)
-  tuned = moe.moe_experts_per_row(tokens, ids, experts, tiles=moe.BF16_TILES, interpret=interpret)
-  np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
   order, sizes = routing(rng, num_tokens, top_k, num_experts)
   x = sorted_rows(rng, order, sizes, hidden)
-  deep = moe.moe_experts(x, jnp.asarray(sizes), experts, expected_rows=1, per_row=False, interpret=interpret)
-  tuned = moe.moe_experts(x, jnp.asarray(sizes), experts, tiles=moe.BF16_TILES, per_row=False,
-                          interpret=interpret)
+
+  def calls(tokens, ids, x, g, ex):
+    return ([moe.moe_experts_per_row(tokens, ids, ex, expected_rows=1, interpret=interpret),
+             moe.moe_experts_per_row(tokens, ids, ex, tiles=moe.BF16_TILES, interpret=interpret)],
+            [moe.moe_experts(x, g, ex, expected_rows=1, per_row=False, interpret=interpret),
+             moe.moe_experts(x, g, ex, tiles=moe.BF16_TILES, per_row=False, interpret=interpret)])
+  (deep, tuned), (deep_sorted, tuned_sorted) = jointly(calls, tokens, ids, x, jnp.asarray(sizes), experts)
   np.testing.assert_array_equal(np.asarray(deep, np.float32), np.asarray(tuned, np.float32))
-  assert_close(deep, reference(x, sizes, experts), int(sizes.sum()))
+  np.testing.assert_array_equal(np.asarray(deep_sorted, np.float32), np.asarray(tuned_sorted, np.float32))
+  assert_close(deep_sorted, reference(x, sizes, experts), int(sizes.sum()))
 
 
 def test_deep_bf16_ring_gives_the_tuned_tiles_rows_bit_for_bit():
@@ -658,7 +695,7 @@ def test_default_block_rows_reads_each_expert_once_at_prefill_sizes():
   num_rows = int(sizes.sum())
   r = moe.default_block_rows(48, num_rows, is_int4=False)
   assert r == 32
-  live = lambda block_rows: int((np.asarray(moe.work_list(jnp.asarray(sizes), num_rows, block_rows).expert) >= 0).sum())
+  live = lambda block_rows: int((np.asarray(work_list(jnp.asarray(sizes), num_rows, block_rows).expert) >= 0).sum())
   assert live(r) == 48
   assert live(16) == len(expected_items(sizes, 16)) > 60  # starts 0, 13, 26, ...: offsets 0..7
 
@@ -701,8 +738,10 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   assert moe.default_block_rows(E, len(order), is_int4=False) == 128
   assert moe.default_tiles(experts, len(order), 128) == moe.BF16_WIDE_ITEM_TILES
   assert moe.BF16_WIDE_ITEM_TILES.down != moe.BF16_TILES.down
-  wide, gate_up_steps, down_steps = moe.moe_experts_with_tile_loads(x, jnp.asarray(sizes), experts,
-                                                                    interpret=INTERPRET)
+  (wide, gate_up_steps, down_steps), narrow = jointly(lambda x, g, ex: (
+      moe.moe_experts_with_tile_loads(x, g, ex, interpret=INTERPRET),
+      moe.moe_experts(x, g, ex, block_rows=64, tiles=moe.BF16_WIDE_ITEM_TILES, interpret=INTERPRET)),
+                                                      x, jnp.asarray(sizes), experts)
   touched = int((sizes > 0).sum())
   gate_up_tiles, down_tiles = -(-I // 64), -(-H // 64)
   k_steps = -(-H // moe.BF16_WIDE_ITEM_TILES.gate_up.block_k)
@@ -710,8 +749,6 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   assert np.asarray(gate_up_steps).sum() == touched * gate_up_tiles * k_steps
   assert (np.asarray(down_steps) > 0).sum() == touched * down_tiles
   assert len(expected_items(sizes, 64)) > touched + 2  # what 64-row windows would have read
-  narrow = moe.moe_experts(x, jnp.asarray(sizes), experts, block_rows=64, tiles=moe.BF16_WIDE_ITEM_TILES,
-                           interpret=INTERPRET)
   apart = bf16_ulps_apart(wide, narrow)
   assert apart.max() <= 1, f"{int((apart > 1).sum())} values more than one bf16 step apart"
   assert (apart == 0).mean() > 0.999  # not merely close: the same values but for the dot's rounding
@@ -765,10 +802,12 @@ def chunked_tiles(fmt, split_gate_up=False, split_down=False):
 
 
 def chunk_case(fmt, seed):
-  """(x_sorted, group_sizes, experts, their dims): 5 tokens of top-2 and 2 padded ones."""
+  """(x_sorted, group_sizes, experts, their dims): 5 tokens of top-2 and 2 padded ones; INT4's on
+  experts 0, 2 and 3 (three items: an item's 5 + 9 output tiles make its programs the slowest to
+  interpret; expert 1 gets no rows)."""
   rng = np.random.default_rng(seed)
   dims = dict(num_experts=E, hidden=H, inter=I) if fmt == "bf16" else INT4_CHUNK_DIMS
-  order, sizes = routing(rng, 5, 2, dims["num_experts"], num_padded=2)
+  order, sizes = routing(rng, 5, 2, dims["num_experts"], None if fmt == "bf16" else (0, 2, 3), num_padded=2)
   x = sorted_rows(rng, order, sizes, dims["hidden"])
   experts = as_format(random_weights(seed, **dims), fmt)
   return x, sizes, experts, dims
@@ -786,9 +825,11 @@ def test_deeper_int4_rings_give_the_same_rows_bit_for_bit():
   experts = as_format(random_weights(53, **dims), "int4")
   T = moe.TileConfig
   tiles, deep = (moe.KernelTiles(T(256, stages, chunk_k=768), T(256, stages)) for stages in (2, 3))
-  call = lambda tiles: moe.moe_experts(x, g, experts, tiles=tiles, per_row=False, interpret=INTERPRET)
-  assert str(jax.make_jaxpr(lambda: call(deep))()) != str(jax.make_jaxpr(lambda: call(tiles))())
-  np.testing.assert_array_equal(np.asarray(call(deep), np.float32), np.asarray(call(tiles), np.float32))
+  call = lambda x, g, ex, tiles: moe.moe_experts(x, g, ex, tiles=tiles, per_row=False, interpret=INTERPRET)
+  assert str(jax.make_jaxpr(call, static_argnums=3)(x, g, experts, deep)) != str(
+      jax.make_jaxpr(call, static_argnums=3)(x, g, experts, tiles))
+  got, want = jointly(lambda x, g, ex: (call(x, g, ex, deep), call(x, g, ex, tiles)), x, g, experts)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
@@ -800,14 +841,8 @@ def test_split_chunks_give_the_one_program_rows_bit_for_bit(fmt):
   x, sizes, experts, dims = chunk_case(fmt, seed=51)
   g = jnp.asarray(sizes)
   assert len(x) > moe.PER_ROW_MAX_ROWS  # the sorted path, as per_row=False below
-  one, want_gate_up, want_down = moe.moe_experts_with_tile_loads(x, g, experts, tiles=chunked_tiles(fmt),
-                                                                 interpret=INTERPRET)
-  np.testing.assert_array_equal(np.asarray(one, np.float32)[int(sizes.sum()):], 0)
-  assert_close(one, reference(x, sizes, experts), int(sizes.sum()))
   unchunked_tiles = dataclasses.replace(chunked_tiles(fmt), gate_up=dataclasses.replace(
       chunked_tiles(fmt).gate_up, chunk_k=None), down=dataclasses.replace(chunked_tiles(fmt).down, chunk_k=None))
-  unchunked = moe.moe_experts(x, g, experts, tiles=unchunked_tiles, per_row=False, interpret=INTERPRET)
-  assert_close(unchunked, reference(x, sizes, experts), int(sizes.sum()))
   # Both kernels split at once (rows bit for bit equal can hardly come from two errors cancelling),
   # on the full and on a compact grid.
   tiles = chunked_tiles(fmt, True, True)
@@ -815,17 +850,24 @@ def test_split_chunks_give_the_one_program_rows_bit_for_bit(fmt):
     jaxpr = str(jax.make_jaxpr(lambda x, g, ex: moe.moe_experts(
         x, g, ex, tiles=chunked_tiles(fmt, split_gate_up, True), per_row=False, interpret=INTERPRET))(x, g, experts))
     assert ("moe_fold" in jaxpr) == split_gate_up
-  for item_programs in (None, 2):
-    y, gate_up, down = moe.moe_experts_with_tile_loads(x, g, experts, tiles=tiles, interpret=INTERPRET,
-                                                       item_programs=item_programs)
+  # Per-pair items: one token's 4 pairs, one of them routed elsewhere (id E).
+  ids = jnp.asarray([[0, dims["num_experts"], 2, 3]], jnp.int32)
+
+  def calls(x, g, ids, ex):
+    return (moe.moe_experts_with_tile_loads(x, g, ex, tiles=chunked_tiles(fmt), interpret=INTERPRET),
+            moe.moe_experts(x, g, ex, tiles=unchunked_tiles, per_row=False, interpret=INTERPRET),
+            [moe.moe_experts_with_tile_loads(x, g, ex, tiles=tiles, interpret=INTERPRET, item_programs=item_programs)
+             for item_programs in (None, 2)],
+            [moe.moe_experts_per_row(x[:1], ids, ex, tiles=chunked_tiles(fmt, *split), interpret=INTERPRET)
+             for split in ((False, False), (True, True))])
+  (one, want_gate_up, want_down), unchunked, splits, pairs = jointly(calls, x, g, ids, experts)
+  np.testing.assert_array_equal(np.asarray(one, np.float32)[int(sizes.sum()):], 0)
+  assert_close(one, reference(x, sizes, experts), int(sizes.sum()))
+  assert_close(unchunked, reference(x, sizes, experts), int(sizes.sum()))
+  for item_programs, (y, gate_up, down) in zip((None, 2), splits):
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(one, np.float32), err_msg=f"{item_programs}")
     np.testing.assert_array_equal(np.asarray(gate_up), np.asarray(want_gate_up))
     np.testing.assert_array_equal(np.asarray(down), np.asarray(want_down))
-  # Per-pair items: one token's 4 pairs, one of them routed elsewhere (id E).
-  tokens = x[:1]
-  ids = jnp.asarray([[0, dims["num_experts"], 2, 3]], jnp.int32)
-  pairs = [moe.moe_experts_per_row(tokens, ids, experts, tiles=chunked_tiles(fmt, *split), interpret=INTERPRET)
-           for split in ((False, False), (True, True))]
   np.testing.assert_array_equal(np.asarray(pairs[0], np.float32), np.asarray(pairs[1], np.float32))
   assert (np.asarray(pairs[0], np.float32)[0, 1] == 0).all()
 
@@ -837,7 +879,7 @@ def test_split_chunk_sums_hold_whole_output_tiles():
   # GPU. So the partials hold N in whole tiles, zero past it (the weight loads past N are
   # zero-filled: Pallas's loads take the tensor copy, which clips per dimension), unread there.
   x, sizes, experts, dims = chunk_case("int4", seed=51)
-  work = moe.work_list(jnp.asarray(sizes), x.shape[0], 16)
+  work = work_list(jnp.asarray(sizes), x.shape[0], 16)
   x = jnp.pad(jnp.nan_to_num(x), ((0, moe.padded_rows(x.shape[0], 16) - x.shape[0]), (0, 0)))  # finite padding rows
   parts = moe._grouped_kernel(x, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
                               cfg=chunked_tiles("int4", True).gate_up, block_rows=16, int4_dequant="smem",
@@ -858,18 +900,19 @@ def test_compact_item_grid_gives_the_same_rows_and_tile_loads(fmt):
   x = sorted_rows(rng, order, sizes, H)
   experts = as_format(random_weights(53), fmt)
   g = jnp.asarray(sizes)
-  work = moe.work_list(g, len(order), 16)
+  work = work_list(g, len(order), 16)
   slots = int(work.num_slots[0])
   assert 0 < slots < len(work.expert) and (np.asarray(work.expert)[slots:] == -1).all()
   assert (np.asarray(work.expert)[:slots] == -1).any()  # a spare slot inside the visited ones
-  want = moe.moe_experts_with_tile_loads(x, g, experts, block_rows=16, interpret=INTERPRET, item_programs=10**6)
-  assert_close(want[0], reference(x, sizes, experts), int(sizes.sum()))
   # The grid does not depend on the format: INT4 takes G = 3 only (several rounds a program).
-  for item_programs in (1, 2, 3) if fmt == "bf16" else (3,):
-    got = moe.moe_experts_with_tile_loads(x, g, experts, block_rows=16, interpret=INTERPRET,
-                                          item_programs=item_programs)
+  grids = (1, 2, 3) if fmt == "bf16" else (3,)
+  want, *compact = jointly(lambda x, g, ex: [moe.moe_experts_with_tile_loads(
+      x, g, ex, block_rows=16, interpret=INTERPRET, item_programs=item_programs) for item_programs in (10**6, *grids)],
+                           x, g, experts)
+  assert_close(want[0], reference(x, sizes, experts), int(sizes.sum()))
+  for item_programs, got in zip(grids, compact):
     for a, b in zip(got, want):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"G = {item_programs}")
 
 
 def test_slot_item_equals_work_list_slot_by_slot():
@@ -885,7 +928,7 @@ def test_slot_item_equals_work_list_slot_by_slot():
       sizes[-1] += 9
     if trial == 3:
       sizes[-1] = 2**31 - 8
-    work = jax.jit(moe.work_list, static_argnums=(1, 2))(jnp.asarray(sizes), a, r)  # as the model runs it
+    work = work_list(jnp.asarray(sizes), a, r)  # as the model runs it
     last_window = moe.padded_rows(a, r) - r
     # Every slot at once (the same scalar arithmetic, vectorised over w; op by op it takes minutes).
     slots = jax.jit(jax.vmap(lambda w: moe.slot_item(jnp.asarray(sizes), w, block_rows=r, last_window=last_window,
@@ -898,14 +941,15 @@ def test_slot_item_equals_work_list_slot_by_slot():
 
 
 def kernel_list_case(rng, fmt, case):
-  """(x, group_sizes, experts) for the work-list comparisons: random routing with padding, all
-  rows on one expert, or counts negative and summing past A."""
+  """(x, group_sizes, experts) for the work-list comparisons, 34 rows in every case (the same
+  executables serve them all): random routing with padding, all rows on one expert (three items,
+  the last of 2 rows), or counts negative and summing past A (the last expert's 12 rows cut to 4)."""
   experts = as_format(random_weights(int(rng.integers(1000))), fmt)
   if case == "random":
     order, sizes = routing(rng, 14, 2, E, allowed=(0, 2, 3, 5), num_padded=3)
     return sorted_rows(rng, order, sizes, H), jnp.asarray(sizes), experts
-  sizes = np.array([0, 0, 40, 0, 0, 0] if case == "one_expert" else [10, -4, 20, 0, 0, 12], np.int32)
-  return jnp.asarray(rng.standard_normal((40, H)), jnp.bfloat16), jnp.asarray(sizes), experts
+  sizes = np.array([0, 0, 34, 0, 0, 0] if case == "one_expert" else [10, -4, 20, 0, 0, 12], np.int32)
+  return jnp.asarray(rng.standard_normal((34, H)), jnp.bfloat16), jnp.asarray(sizes), experts
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
@@ -915,17 +959,20 @@ def test_kernel_work_list_gives_the_jnp_lists_rows_and_tile_loads(fmt):
   (tile, slot), with a program per slot and on compact grids, the gate/up split into chunks too
   (bf16: two chunks of K)."""
   rng = np.random.default_rng(67)
+  grids = ((10**6, False), (2, False), (1, True))
+
+  @jax.jit  # one program (see jointly) for every case
+  def both_lists(x, g, ex):
+    return [[moe.moe_experts_with_tile_loads(x, g, ex, block_rows=16, interpret=INTERPRET, item_programs=item_programs,
+                                             tiles=chunked_tiles(fmt, split, False), work_list_impl=impl)
+             for impl in ("jnp", "kernel")] for item_programs, split in grids]
   # The list does not depend on the format: INT4 runs the first case only (bf16 all three).
   for case in ("random", "one_expert", "cut") if fmt == "bf16" else ("random",):
     x, g, experts = kernel_list_case(rng, fmt, case)
-    grids = ((10**6, False), (2, False), (1, True)) if case == "random" else ((2, False),)
-    for item_programs, split in grids:
-      tiles = chunked_tiles(fmt, split, False)
-      kw = dict(block_rows=16, interpret=INTERPRET, item_programs=item_programs, tiles=tiles)
-      want = moe.moe_experts_with_tile_loads(x, g, experts, work_list_impl="jnp", **kw)
-      got = moe.moe_experts_with_tile_loads(x, g, experts, work_list_impl="kernel", **kw)
+    for (item_programs, split), (want, got) in zip(grids, both_lists(x, g, experts)):
       for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=case)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=f"{case}, G = {item_programs}, split {split}")
     sizes = np.maximum(np.asarray(g), 0)
     ends = np.minimum(np.cumsum(sizes), len(x))
     cut = np.diff(ends, prepend=0).astype(np.int32)
@@ -1026,7 +1073,7 @@ def test_compressed_tensors_conversion_against_numpy_unpacker():
 def test_kernel_layout_against_numpy_unpacker(k):
   """The kernel's permuted nibbles hold what its docstring says, padding included, and convert
   back exactly."""
-  w = jax.random.normal(jax.random.key(k), (2, k, 40)) * 0.05
+  w = jnp.asarray(np.random.default_rng(k).standard_normal((2, k, 40), np.float32) * 0.05)
   m = moe.quantize_int4(w)
   km = moe.to_kernel_layout(m)
   kp = -(-k // 256) * 256
@@ -1056,7 +1103,7 @@ def test_kernel_layout_straight_from_compressed_tensors(k):
 
 
 def test_quantize_round_trip_error_is_half_a_step():
-  w = jax.random.normal(jax.random.key(2), (2, 64, 48)) * 0.05
+  w = jnp.asarray(np.random.default_rng(2).standard_normal((2, 64, 48), np.float32) * 0.05)
   m = moe.quantize_int4(w)
   assert m.q.shape == (2, 48, 64) and m.scale.shape == (2, 2, 48)
   deq = np.asarray(moe.dequantize_int4(m, jnp.float32))
@@ -1073,11 +1120,15 @@ def test_group_sizes_past_the_rows_or_negative_are_cut(sizes):
   # as if group_sizes had been clipped first (a negative count used to shift every later expert's
   # rows: 1.2x max|ref| off; a count near 2**31 wrapped the prefix sums, and no row was routed).
   rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.standard_normal((40, H)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((42, H)), jnp.bfloat16)
   experts = random_weights(3)
   ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), len(x))
   cut = np.diff(ends, prepend=0).astype(np.int32)
-  got = moe.moe_experts(x, jnp.asarray(sizes, jnp.int32), experts, block_rows=16, interpret=INTERPRET)
+  assert moe.default_block_rows(E, len(x), is_int4=False) == 16
+  # Called as check_case calls it, on test_matches_reference_random_routing[17-bf16]'s shapes: the
+  # same executable.
+  got = moe.moe_experts(x, jnp.asarray(sizes, jnp.int32), experts, interpret=INTERPRET, int4_dequant=None,
+                        block_rows=None)
   assert_close(got, reference(x, cut, experts), int(cut.sum()))
 
 
@@ -1086,11 +1137,12 @@ def test_a_call_with_no_routed_rows_gives_zeros():
   # sorted path and per-row items both give zeros, never the padding's NaN.
   experts = random_weights(4)
   x = jnp.full((24, H), jnp.nan, jnp.bfloat16)
-  got = moe.moe_experts(x, jnp.zeros((E,), jnp.int32), experts, interpret=INTERPRET, per_row=False)
-  assert got.shape == x.shape and not np.asarray(got, np.float32).any()
   ids = jnp.full((3, 8), E, jnp.int32)
-  got = moe.moe_experts_per_row(x[:3], ids, experts, interpret=INTERPRET)
-  assert got.shape == (3, 8, H) and not np.asarray(got, np.float32).any()
+  rows, pairs = jointly(lambda x, g, i, ex: (moe.moe_experts(x, g, ex, interpret=INTERPRET, per_row=False),
+                                             moe.moe_experts_per_row(x[:3], i, ex, interpret=INTERPRET)),
+                        x, jnp.zeros((E,), jnp.int32), ids, experts)
+  assert rows.shape == x.shape and not np.asarray(rows, np.float32).any()
+  assert pairs.shape == (3, 8, H) and not np.asarray(pairs, np.float32).any()
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -1136,8 +1188,9 @@ def test_interpret_true_and_empty_routed_blocks():
   experts = random_weights(0)
   x = jnp.asarray(np.random.default_rng(5).standard_normal((8, H)), jnp.bfloat16)
   sizes = jnp.array([2, 0, 6, 0, 0, 0], jnp.int32)
-  np.testing.assert_array_equal(np.asarray(moe.moe_experts(x, sizes, experts, interpret=True)),
-                                np.asarray(moe.moe_experts(x, sizes, experts, interpret=INTERPRET)))
+  default, params = jointly(lambda x, g, ex: [moe.moe_experts(x, g, ex, interpret=interpret)
+                                              for interpret in (True, INTERPRET)], x, sizes, experts)
+  np.testing.assert_array_equal(np.asarray(default), np.asarray(params))
   ids = jnp.asarray([[-1, 2], [3, 7]], jnp.int32)  # -1 and 7 (>= E = 6): routed nowhere
   weights = jnp.ones((2, 2), jnp.float32)
   with plgpu.force_gpu_interpret_mode(INTERPRET):
@@ -1145,7 +1198,8 @@ def test_interpret_true_and_empty_routed_blocks():
       out, sizes = kimi.routed_block(jnp.zeros((0, H), jnp.bfloat16), jnp.zeros((0, 2), jnp.int32),
                                      jnp.zeros((0, 2)), experts, impl)
       assert out.shape == (0, H) and not np.asarray(sizes).any()
-    routed = {impl: kimi.routed_block(x[:2], ids, weights, experts, impl) for impl in ("xla", "pallas")}
+    routed = jointly(lambda x, i, w, ex: {impl: kimi.routed_block(x, i, w, ex, impl) for impl in ("xla", "pallas")},
+                     x[:2], ids, weights, experts)
   for impl, (out, sizes) in routed.items():
     np.testing.assert_array_equal(np.asarray(sizes), [0, 0, 1, 1, 0, 0], err_msg=impl)
   np.testing.assert_allclose(np.asarray(routed["pallas"][0]), np.asarray(routed["xla"][0]), atol=2e-2, rtol=0)
@@ -1173,9 +1227,9 @@ def test_model_pallas_branch_matches_xla_in_interpret_mode(experts_int4, batch, 
   model_pallas = kimi.init_model(dataclasses.replace(cfg, moe_impl="pallas"), seed=0)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)), jnp.int32)
   valid = jnp.ones((batch, length), bool).at[batch - 1, length - 1:].set(False)  # padded: no expert
-  want = kimi.train_forward(model_xla, tokens, valid)
-  with plgpu.force_gpu_interpret_mode(INTERPRET):
-    got = kimi.train_forward(model_pallas, tokens, valid)
+  with plgpu.force_gpu_interpret_mode(INTERPRET):  # one program: eagerly each forward compiles its layer scans
+    want, got = nnx.jit(lambda xla, pallas, t, v: (kimi.train_forward(xla, t, v), kimi.train_forward(pallas, t, v)))(
+        model_xla, model_pallas, tokens, valid)
   np.testing.assert_array_equal(np.asarray(got.expert_load), np.asarray(want.expert_load))
   logits, ref = np.asarray(got.logits)[np.asarray(valid)], np.asarray(want.logits)[np.asarray(valid)]
   assert np.isfinite(logits).all()
@@ -1197,8 +1251,8 @@ def test_routed_block_of_one_token_takes_per_row_items_and_equals_the_sorted_pat
   ids[0, 5] = num_experts  # an expert held elsewhere
   tokens = jnp.asarray(rng.standard_normal((1, H)), jnp.bfloat16)
   weights = jnp.asarray(rng.random((1, k)), jnp.float32)
-  block = lambda per_row: jax.jit(lambda t, i, w: kimi.routed_block(t, i, w, experts, "pallas", per_row))(
-      tokens, jnp.asarray(ids), weights)
+  block = lambda per_row: jax.jit(lambda t, i, w, ex: kimi.routed_block(t, i, w, ex, "pallas", per_row))(
+      tokens, jnp.asarray(ids), weights, experts)
 
   def no_sort(*args, **kwargs):
     raise AssertionError("the one-token block sorted its rows")

@@ -35,7 +35,17 @@ ATOL_BF16_PARTIALS = 1.5e-2
 
 
 def bf16(x):
-  return jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
+  # Rounded on the host (ml_dtypes rounds to nearest even, as XLA's convert does): eager jnp
+  # converts compile once per new shape, and nearly every test here has its own shapes.
+  return jnp.asarray(np.asarray(x).astype(jnp.bfloat16).astype(np.float32))
+
+
+# The reference under jit: op by op it compiled each of its ops for every test's new shapes
+# (about a second a test). Same function, same inputs; only XLA's fusion of it differs.
+mla_reference = jax.jit(reference.mla_tree_attention, static_argnames="scale")
+mha_reference = jax.jit(reference.mha_tree_attention, static_argnames="scale")
+# The trees' ancestor closure, jitted for the same reason (boolean, so exactly as eager).
+_visibility_from_parents = jax.jit(tree_lib.visibility_from_parents)
 
 
 def random_window(rng, batch, q_len, cache_len, *, tree=True):
@@ -59,7 +69,7 @@ def random_window(rng, batch, q_len, cache_len, *, tree=True):
           pad[i] |= pad[parents[b, i]]
         valid[b] = ~pad
   if tree:
-    visibility = np.asarray(tree_lib.visibility_from_parents(jnp.asarray(parents), jnp.asarray(valid)))
+    visibility = np.asarray(_visibility_from_parents(jnp.asarray(parents), jnp.asarray(valid)))
   else:  # any relation at all: the kernel must not assume ancestor closure
     visibility = rng.random((batch, q_len, q_len)) < 0.5
   slots = rng.permutation(batch + 2)[:batch].astype(np.int32)
@@ -90,8 +100,7 @@ def run_mla(rng, *, batch, q_len, heads, latent, rope, cache_len, num_splits=Non
                               interpret=INTERPRET, num_splits=num_splits,
                               partial_dtype=partial_dtype, options=options)
   check_no_races()
-  want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
-                                      scale=scale)
+  want = mla_reference(*map(bf16, args), slots, prefix_len, visibility, valid, scale=scale)
   return np.asarray(got), np.asarray(want), np.asarray(valid)
 
 
@@ -128,8 +137,7 @@ def test_mla_window_past_the_pool_matches_reference():
   got = np.asarray(ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=0.1,
                                          interpret=INTERPRET, partial_dtype="float32"))
   check_no_races()
-  want = np.asarray(reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
-                                                 scale=0.1))
+  want = np.asarray(mla_reference(*map(bf16, args), slots, prefix_len, visibility, valid, scale=0.1))
   assert (got[0, 2:] == 0).all() and (want[0, 2:] == 0).all()
   assert_matches(got, want, np.asarray(valid))
 
@@ -147,8 +155,7 @@ def test_mla_pool_shorter_than_a_tile_with_an_idle_request():
   got = np.asarray(ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=0.1,
                                          interpret=INTERPRET, partial_dtype="float32"))
   check_no_races()
-  want = np.asarray(reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
-                                                 scale=0.1))
+  want = np.asarray(mla_reference(*map(bf16, args), slots, prefix_len, visibility, valid, scale=0.1))
   assert_matches(got, want, np.asarray(valid))
 
 
@@ -336,11 +343,13 @@ def test_merge_kernel_lowers_for_cuda_wherever_it_fits(dtype):
 def test_rows_m_register_counts_lower_for_cuda():
   # setmaxnreg counts other than 232/232 in form "rows_m" at Kimi widths (q17 x 8 heads, bf16):
   # the kernel must still pass Mosaic GPU's lowering (layout inference, shared memory), and the
-  # counts must reach the module (its serialised text holds the inline-PTX strings).
+  # counts must reach the module (its serialised text holds the inline-PTX strings). A 1k pool:
+  # the pool's length sets only the launched splits (16 here), over which the merge kernel
+  # lowered beside it is unrolled (43 at 4k took twice the time).
   sds = jax.ShapeDtypeStruct
   b, q, n = 1, 17, 8
   args = (sds((b, q, n, 512), jnp.bfloat16), sds((b, q, n, 64), jnp.bfloat16),
-          sds((2, 4096, 512), jnp.bfloat16), sds((2, 4096, 64), jnp.bfloat16),
+          sds((2, 1024, 512), jnp.bfloat16), sds((2, 1024, 64), jnp.bfloat16),
           sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, q, q), jnp.bool_), sds((b, q), jnp.bool_))
   for regs in ((256, 208), (240, 224)):
     f = functools.partial(ta.mla_tree_attention, scale=0.1,
@@ -452,6 +461,10 @@ def test_merge_auto_takes_the_kernel_only_where_it_was_timed():
   assert kinds(1, hi16 + 8, jnp.bfloat16) == "pairwise"
 
 
+# Slow only: test_mla_any_visibility_relation_and_more_splits_than_tiles runs the same path in both
+# forms (the merge kernel, which "auto" takes for its 42 merged rows, after 8 splits over at most
+# 4 tiles, live splits on for its batch of 2).
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["rows_n", "rows_m"])
 def test_mla_merge_kernel_end_to_end(form):
   # The whole call with the merge kernel, both forms, several splits (some empty).
@@ -619,8 +632,7 @@ def test_mha_matches_reference(q_len, heads, groups, dim, form):
                               options=ta.Options(form=form.split()[0],
                                                  epilogue="smem" if "smem" in form else "registers"))
   check_no_races()
-  want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
-                                      valid, scale=0.125)
+  want = mha_reference(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility, valid, scale=0.125)
   assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid),
                  atol=ATOL_BF16_PARTIALS if "smem" in form else ATOL)
 
@@ -643,7 +655,7 @@ def run_long_split(seed, *, q_len, heads, latent, rope, cache_len, prefix, form,
   got = ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=scale,
                               interpret=INTERPRET, num_splits=1, options=ta.Options(form=form))
   check_no_races()
-  want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid, scale=scale)
+  want = mla_reference(*map(bf16, args), slots, prefix_len, visibility, valid, scale=scale)
   # The default partials: bf16 (staged) for bf16 queries in "rows_m", else float32.
   bf16_partials = dtype == jnp.bfloat16 and form == "rows_m"
   assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid),
@@ -661,6 +673,10 @@ def test_long_split_kimi_widths(form):
   # Up to 5 tiles per CTA against 2 KV stages, bf16 inputs.
   run_long_split(2, q_len=17, heads=8, latent=512, rope=64, cache_len=300, prefix=[280, 150], form=form,
                  dtype=jnp.bfloat16)
+
+
+_live_split_counts = jax.jit(ta._live_split_counts,
+                             static_argnames=("cache_len", "ctas_per_request_split", "num_splits"))
 
 
 def batch_split_cost(tiles, counts, ctas_per_request_split, sms):
@@ -684,8 +700,10 @@ def test_live_split_counts_against_a_brute_force_search(lengths, ctas, launched,
   # below a request's count gets columns while the ranges cover its live columns.
   sms = ta.num_sms()
   live = np.asarray(lengths)
-  counts = np.asarray(ta._live_split_counts(jnp.asarray(live, jnp.int32), cache_len=cache_len,
-                                            ctas_per_request_split=ctas, num_splits=launched))
+  # Jitted (integer selection, the same counts as eager; the kernel's callers run it under jit as
+  # well): op by op it compiled each op for every case's shapes, most of the test's time.
+  counts = np.asarray(_live_split_counts(jnp.asarray(live, jnp.int32), cache_len=cache_len,
+                                         ctas_per_request_split=ctas, num_splits=launched))
   tiles = -(-live // 64)
   options = [np.clip(-(-tiles // per), 1, launched) for per in range(1, tiles.max() + 1)]
   best = min(batch_split_cost(tiles, c, ctas, sms) for c in options)
@@ -708,8 +726,8 @@ def test_live_split_counts_against_a_brute_force_search(lengths, ctas, launched,
 @pytest.mark.parametrize("form,merge,groups", [pytest.param("rows_n", "pairwise", 0, marks=pytest.mark.slow),
                                                ("rows_m", "kernel", 0), ("rows_n", "two_pass", 2)])
 def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypatch):
-  # Options.live_splits: requests of 1, 5 and 15 live tiles in a pool of 16 launched splits get
-  # 1, 5 and 15 splits. The results match the reference, and the CTAs of the other splits write
+  # Options.live_splits: requests of 1, 3 and 7 live tiles in a pool of 8 launched splits get
+  # 1, 3 and 7 splits. The results match the reference, and the CTAs of the other splits write
   # nothing: the interpreter fills outputs with NaN, so their log-sum-exps stay NaN (the merge
   # selects them away), while every split below a request's count writes a number or -inf.
   partials = {}
@@ -721,9 +739,11 @@ def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypa
 
   monkeypatch.setattr(ta, "_merge", capture)
   rng = np.random.default_rng(11)
-  batch, q_len, cache_len = 3, 9, 1000
+  # 504 columns: 8 tiles (the last one partial) and so 8 launched splits, a multiple of 8 (no
+  # padded copy); twice the pool and the splits ran this the same way at twice the cost.
+  batch, q_len, cache_len = 3, 9, 504
   slots, _, visibility, valid = random_window(rng, batch, q_len, cache_len)
-  prefix_len = jnp.asarray([40, 300, 900], jnp.int32)  # + 9: 1, 5 and 15 tiles
+  prefix_len = jnp.asarray([40, 150, 400], jnp.int32)  # + 9: 1, 3 and 7 tiles
   options = ta.Options(form=form, merge=merge, live_splits=True)
   if groups:  # MHA: 2 KV groups of 4 query heads, separate V tiles
     dim = 64
@@ -732,20 +752,18 @@ def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypa
             for _ in range(2))
     got = ta.mha_tree_attention(q, k, v, slots, prefix_len, visibility, valid, scale=0.125,
                                 interpret=INTERPRET, partial_dtype="float32", options=options)
-    want = reference.mha_tree_attention(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility,
-                                        valid, scale=0.125)
+    want = mha_reference(bf16(q), bf16(k), bf16(v), slots, prefix_len, visibility, valid, scale=0.125)
   else:
     q_lat, q_rope = (rng.standard_normal((batch, q_len, 2, d)).astype(np.float32) for d in (128, 32))
     c_kv, k_pe = (rng.standard_normal((batch + 2, cache_len, d)).astype(np.float32) for d in (128, 32))
     args = [jnp.asarray(x) for x in (q_lat, q_rope, c_kv, k_pe)]
     got = ta.mla_tree_attention(*args, slots, prefix_len, visibility, valid, scale=0.1,
                                 interpret=INTERPRET, partial_dtype="float32", options=options)
-    want = reference.mla_tree_attention(*map(bf16, args), slots, prefix_len, visibility, valid,
-                                        scale=0.1)
+    want = mla_reference(*map(bf16, args), slots, prefix_len, visibility, valid, scale=0.1)
   check_no_races()
   assert_matches(np.asarray(got), np.asarray(want), np.asarray(valid))
-  per_request = np.repeat([1, 5, 15], max(groups, 1))  # bg = b * G + g
-  assert partials["splits"] == 16
+  per_request = np.repeat([1, 3, 7], max(groups, 1))  # bg = b * G + g
+  assert partials["splits"] == 8
   np.testing.assert_array_equal(np.asarray(partials["counts"]), per_request)
   lse = partials["lse"]
   for bg, count in enumerate(per_request):
@@ -756,10 +774,11 @@ def test_live_splits_short_contexts_in_a_long_pool(form, merge, groups, monkeypa
 def test_pdl_marks_both_kernels_for_dependent_launch():
   # Options(pdl=True), lowered for cuda at Kimi's widths: the attention and the merge kernel each
   # start by waiting for the kernels before them and are marked for a PDL launch; the default
-  # lowers neither.
+  # lowers neither. A 1k pool, as in test_rows_m_register_counts_lower_for_cuda: 16 splits for the
+  # merge kernel's unrolled loop rather than 44.
   sds = jax.ShapeDtypeStruct
   args = (sds((1, 17, 8, 512), jnp.bfloat16), sds((1, 17, 8, 64), jnp.bfloat16),
-          sds((2, 32768, 512), jnp.bfloat16), sds((2, 32768, 64), jnp.bfloat16),
+          sds((2, 1024, 512), jnp.bfloat16), sds((2, 1024, 64), jnp.bfloat16),
           sds((1,), jnp.int32), sds((1,), jnp.int32), sds((1, 17, 17), jnp.bool_), sds((1, 17), jnp.bool_))
 
   def lowered(options):
@@ -773,11 +792,13 @@ def test_pdl_marks_both_kernels_for_dependent_launch():
 
 def test_live_splits_lower_for_cuda_and_need_matching_metadata():
   # At Kimi's widths both forms and both merges pass Mosaic GPU's lowering with the per-request
-  # counts; metadata prepared without them is refused by a call that uses them.
+  # counts; metadata prepared without them is refused by a call that uses them. A 1k pool, not
+  # 32k: the merge kernel is unrolled over the launched splits (130 at 32k for one node, 5 s of
+  # lowering alone); 1k still launches 11 to 16 splits, the merge kernel in three of the four.
   sds = jax.ShapeDtypeStruct
   for b, q, merge in ((1, 17, "auto"), (2, 9, "auto"), (4, 17, "pairwise"), (1, 1, "auto")):
     args = (sds((b, q, 8, 512), jnp.bfloat16), sds((b, q, 8, 64), jnp.bfloat16),
-            sds((2, 32768, 512), jnp.bfloat16), sds((2, 32768, 64), jnp.bfloat16),
+            sds((2, 1024, 512), jnp.bfloat16), sds((2, 1024, 64), jnp.bfloat16),
             sds((b,), jnp.int32), sds((b,), jnp.int32), sds((b, q, q), jnp.bool_), sds((b, q), jnp.bool_))
     f = functools.partial(ta.mla_tree_attention, scale=0.1,
                           options=ta.Options(live_splits=True, merge=merge))
@@ -941,7 +962,7 @@ def test_bad_inputs_raise_clear_errors():
              jnp.ones((b, q_len), bool))
     got = ta.mla_tree_attention(jnp.zeros((b, q_len, heads, 64)), jnp.zeros((b, q_len, heads, 32)), c_kv, k_pe,
                                 *empty, scale=1.0)
-    assert got.shape == (b, q_len, heads, 64) == reference.mla_tree_attention(
+    assert got.shape == (b, q_len, heads, 64) == mla_reference(
         jnp.zeros((b, q_len, heads, 64)), jnp.zeros((b, q_len, heads, 32)), c_kv, k_pe, *empty, scale=1.0).shape
 
 

@@ -22,7 +22,8 @@ from models.config import KimiConfig
 from pallas_kernels import reference
 from pallas_kernels import tree_attention as ta
 from tests.pallas_kernels.test_tree_attention import (INTERPRET, assert_matches, bf16,
-                                                       check_no_races, random_window)
+                                                       check_no_races, mla_reference,
+                                                       random_window)
 
 
 def mla_inputs(rng, *, batch, q_len, heads, latent, rope, cache_len):
@@ -57,7 +58,7 @@ def test_mla_precomputed_meta_is_bit_identical(form, q_len, heads, num_splits, l
   # jitted one-call path (jit fuses the merge, so it rounds differently from eager).
   jitted = jax.jit(lambda m: call(window_meta=m))(meta)
   np.testing.assert_array_equal(np.asarray(jitted), np.asarray(jax.jit(call)()))
-  want = reference.mla_tree_attention(*map(bf16, args), *window, scale=0.09)
+  want = mla_reference(*map(bf16, args), *window, scale=0.09)
   assert_matches(precomputed, np.asarray(want), np.asarray(window[3]))
 
 
