@@ -801,16 +801,20 @@ def chunked_tiles(fmt, split_gate_up=False, split_down=False):
   return moe.KernelTiles(T(256, 2, chunk_k=512, split_k=split_gate_up), T(256, 2, chunk_k=256, split_k=split_down))
 
 
-def chunk_case(fmt, seed):
-  """(x_sorted, group_sizes, experts, their dims): 5 tokens of top-2 and 2 padded ones; INT4's on
-  experts 0, 2 and 3 (three items: an item's 5 + 9 output tiles make its programs the slowest to
-  interpret; expert 1 gets no rows)."""
+def chunk_case(fmt, seed, allowed=None):
+  """(x_sorted, group_sizes, experts, their dims): 5 tokens of top-2 and 2 padded ones, routed over
+  ``allowed`` experts (all by default)."""
   rng = np.random.default_rng(seed)
   dims = dict(num_experts=E, hidden=H, inter=I) if fmt == "bf16" else INT4_CHUNK_DIMS
-  order, sizes = routing(rng, 5, 2, dims["num_experts"], None if fmt == "bf16" else (0, 2, 3), num_padded=2)
+  order, sizes = routing(rng, 5, 2, dims["num_experts"], allowed, num_padded=2)
   x = sorted_rows(rng, order, sizes, dims["hidden"])
   experts = as_format(random_weights(seed, **dims), fmt)
   return x, sizes, experts, dims
+
+
+# INT4 items are the slowest to interpret (an item's 5 + 9 output tiles): the split tests route over
+# experts 0, 2 and 3 only (three items; expert 1 gets no rows).
+INT4_SPLIT_EXPERTS = (0, 2, 3)
 
 
 def test_deeper_int4_rings_give_the_same_rows_bit_for_bit():
@@ -838,7 +842,7 @@ def test_split_chunks_give_the_one_program_rows_bit_for_bit(fmt):
   the take for down) gives the same rows bit for bit as one program adding the same chunks: for
   the sorted list (also on a compact grid) and per-pair items; the same tile loads; close to the
   reference, as is K in one sum (a different rounding)."""
-  x, sizes, experts, dims = chunk_case(fmt, seed=51)
+  x, sizes, experts, dims = chunk_case(fmt, seed=51, allowed=INT4_SPLIT_EXPERTS if fmt == "int4" else None)
   g = jnp.asarray(sizes)
   assert len(x) > moe.PER_ROW_MAX_ROWS  # the sorted path, as per_row=False below
   unchunked_tiles = dataclasses.replace(chunked_tiles(fmt), gate_up=dataclasses.replace(
@@ -878,7 +882,7 @@ def test_split_chunk_sums_hold_whole_output_tiles():
   # dimension): with N = I = 288 the last tile would spill into the next item's features on the
   # GPU. So the partials hold N in whole tiles, zero past it (the weight loads past N are
   # zero-filled: Pallas's loads take the tensor copy, which clips per dimension), unread there.
-  x, sizes, experts, dims = chunk_case("int4", seed=51)
+  x, sizes, experts, dims = chunk_case("int4", seed=51, allowed=INT4_SPLIT_EXPERTS)
   work = work_list(jnp.asarray(sizes), x.shape[0], 16)
   x = jnp.pad(jnp.nan_to_num(x), ((0, moe.padded_rows(x.shape[0], 16) - x.shape[0]), (0, 0)))  # finite padding rows
   parts = moe._grouped_kernel(x, work.expert, work.block_start, (experts.gate, experts.up), fuse_silu=True,
