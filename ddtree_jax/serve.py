@@ -3,6 +3,7 @@
     python -m ddtree_jax.serve                                   # the bundled demo pair on 127.0.0.1:8000
     python -m ddtree_jax.serve --spec none                       # plain autoregressive decoding
     python -m ddtree_jax.serve --budget 1:32,4:16,16:8 --max-batch 16 --api-key secret
+    python -m ddtree_jax.serve --budget 1:32,4:16,64:4 --batch-buckets 1,4,64   # 3 compiled batch sizes
     python -m ddtree_jax.serve --attention-impl pallas --moe-impl pallas   # the Pallas kernels (GPU)
     python -m ddtree_jax.serve --policy-module my_policies.py --spec my_policy   # a policy of your own
     python -m ddtree_jax.serve --spec beam --policy-option width=4               # a policy's options
@@ -26,6 +27,7 @@ PROG = "python -m ddtree_jax.serve"
 
 def parse_args(argv=None):
   from serve.config import EXPERT_FORMATS, KERNEL_IMPLS, ServeConfig  # pylint: disable=import-outside-toplevel
+  from serve.engine_loop import parse_batch_buckets  # pylint: disable=import-outside-toplevel
   defaults = ServeConfig()
   policy_modules.load_from_argv(argv, PROG)  # before --spec's choices are listed
   # Whole flags only: --policy-module was read by its own pass, which an abbreviation would skip.
@@ -41,7 +43,11 @@ def parse_args(argv=None):
   parser.add_argument("--budget", default=defaults.budget,
                       help="tree budget: an int, or 'size:budget,...' by running batch size (a batch of n uses "
                            "the first entry with size >= n; the last covers larger batches)")
-  parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="requests decoded together")
+  parser.add_argument("--max-batch", type=int, default=None,
+                      help=f"requests decoded together (default {defaults.max_batch}, or the largest --batch-buckets)")
+  parser.add_argument("--batch-buckets", default=None,
+                      help="batch sizes to compile, e.g. '1,4,16' (increasing; the largest is --max-batch); "
+                           "default 1, 2, 4, ... up to --max-batch. Fewer buckets compile faster")
   parser.add_argument("--max-context", type=int, default=defaults.max_context,
                       help="prompt + generated tokens per request")
   parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
@@ -69,9 +75,12 @@ def parse_args(argv=None):
   parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
   args = parser.parse_args(argv)
   try:
+    max_batch = args.max_batch
+    if max_batch is None:
+      max_batch = parse_batch_buckets(args.batch_buckets)[-1] if args.batch_buckets else defaults.max_batch
     config = ServeConfig(model=args.model, drafter=args.drafter, served_model_name=args.served_model_name,
                          spec=args.spec, policy_options=policy_modules.parse_options(args.policy_option),
-                         budget=args.budget, max_batch=args.max_batch,
+                         budget=args.budget, max_batch=max_batch, batch_buckets=args.batch_buckets,
                          max_context=args.max_context, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, max_stop_ids=args.max_stop_ids,
                          dtype=args.dtype, prefill_chunk=args.prefill_chunk,

@@ -9,7 +9,8 @@ import jax
 from ddtree_jax import drafters, engine, policies
 from models import dflash, loading
 from models.config import EXPERT_FORMATS, KERNEL_IMPLS, expert_format_overrides, kernel_backend_error, kernel_dtype_error
-from serve.engine_loop import BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env
+from serve.engine_loop import (BudgetTable, EngineLoop, FaultInjector, batch_buckets, fault_injector_from_env,
+                               parse_batch_buckets)
 from serve.metrics import Metrics
 from serve.protocol import MAX_TOP_LOGPROBS
 from serve.text import TextCodec
@@ -28,6 +29,10 @@ class ServeConfig:
     policy_options: options bound to that policy (``policies.get_policy``), e.g. ``{"width": 4}``.
     budget: the budget table (``BudgetTable.parse``); ignored for ``spec="none"``.
     max_batch: requests decoded together (rows of the largest compiled batch).
+    batch_buckets: the batch sizes compiled, e.g. ``"1,4,16"`` (``--batch-buckets``; the largest
+      must be ``max_batch``); default the powers of two below ``max_batch`` and ``max_batch``.
+      Each bucket is one step executable per budget it serves, and moving rows between two buckets
+      one more, so fewer buckets start faster; a batch runs in the smallest bucket that holds it.
     max_context: prompt + generated tokens per request.
     max_queue: requests that may wait for a row before new ones get 429.
     max_body_bytes: request bodies above this get 413.
@@ -52,6 +57,7 @@ class ServeConfig:
   policy_options: dict = dataclasses.field(default_factory=dict)
   budget: str = "1:32,4:16,16:8,64:4"
   max_batch: int = 16
+  batch_buckets: str | None = None
   max_context: int = 1024
   max_queue: int = 256
   max_body_bytes: int = 1 << 20
@@ -89,6 +95,9 @@ class ServeConfig:
     if self.dtype not in ("auto", "bfloat16", "float32"):
       raise ValueError(f"dtype {self.dtype!r}: expected auto, bfloat16 or float32")
     BudgetTable.parse(self.budget)
+    if self.batch_buckets is not None and self.buckets[-1] != self.max_batch:
+      raise ValueError(f"--batch-buckets {self.batch_buckets!r}: the largest bucket must be --max-batch "
+                       f"({self.max_batch}), got {self.buckets[-1]}")
     for name in ("attention_impl", "moe_impl"):
       if getattr(self, name) not in KERNEL_IMPLS:
         raise ValueError(f"{name} {getattr(self, name)!r}: expected one of {KERNEL_IMPLS}")
@@ -110,6 +119,11 @@ class ServeConfig:
   @property
   def model_name(self) -> str:
     return self.served_model_name or str(self.model).rstrip("/").split("/")[-1]
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    """The batch sizes the server compiles (``batch_buckets``, or powers of two up to ``max_batch``)."""
+    return batch_buckets(self.max_batch) if self.batch_buckets is None else parse_batch_buckets(self.batch_buckets)
 
   @property
   def budget_table(self) -> BudgetTable:
@@ -153,7 +167,7 @@ def build_engine(config: ServeConfig) -> Engine:
     raise ValueError(f"the model's own stop ids ({default_stops}: {sorted(set(codec.stop_ids) | set(codec.chat_stop_ids))}) "
                      f"exceed --max-stop-ids {config.max_stop_ids}, so every chat request would be refused: raise it")
   table = config.budget_table
-  buckets = batch_buckets(config.max_batch)
+  buckets = config.buckets
   if config.spec == "none":
     drafter, drafter_params = drafters.RandomDrafter(target.cfg.vocab_size), None
   else:

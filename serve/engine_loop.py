@@ -99,6 +99,23 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
   return tuple(buckets + [max_batch])
 
 
+def parse_batch_buckets(spec: str) -> tuple[int, ...]:
+  """``--batch-buckets``: batch sizes to compile, e.g. ``"1,4,16"`` (increasing, positive).
+
+  Raises:
+    ValueError: naming the flag and what is wrong with ``spec``.
+  """
+  try:
+    buckets = tuple(int(part) for part in spec.split(","))
+  except ValueError:
+    raise ValueError(f"--batch-buckets {spec!r}: expected comma-separated batch sizes, e.g. '1,4,16'") from None
+  if min(buckets) < 1:
+    raise ValueError(f"--batch-buckets {spec!r}: batch sizes must be positive")
+  if any(a >= b for a, b in zip(buckets, buckets[1:])):
+    raise ValueError(f"--batch-buckets {spec!r}: batch sizes must increase")
+  return buckets
+
+
 class FaultInjector:
   """Makes chosen engine steps fail (tests only).
 

@@ -41,6 +41,28 @@ def test_max_logprobs_reaches_the_config_and_is_bounded(capsys):
   assert exit_info.value.code == 2 and "max_logprobs must lie in [-1, 20]" in capsys.readouterr().err
 
 
+def test_batch_buckets_flag_sets_the_compiled_sizes_and_is_checked(capsys):
+  assert serve_cli.parse_args([])[0].buckets == (1, 2, 4, 8, 16)
+  assert serve_cli.parse_args(["--max-batch", "12"])[0].buckets == (1, 2, 4, 8, 12)
+  config = serve_cli.parse_args(["--batch-buckets", "1,4,24"])[0]  # the largest bucket sets max_batch
+  assert (config.buckets, config.max_batch) == ((1, 4, 24), 24)
+  assert serve_cli.parse_args(["--batch-buckets", "2,8", "--max-batch", "8"])[0].buckets == (2, 8)
+  for flags, message in ((["--batch-buckets", "1,4,16", "--max-batch", "8"],
+                          "the largest bucket must be --max-batch (8), got 16"),
+                         (["--batch-buckets", "1,x"], "expected comma-separated batch sizes"),
+                         (["--batch-buckets", ""], "expected comma-separated batch sizes"),
+                         (["--batch-buckets", "4,2,8"], "batch sizes must increase"),
+                         (["--batch-buckets", "4,4"], "batch sizes must increase"),
+                         (["--batch-buckets", "0,4"], "batch sizes must be positive")):
+    with pytest.raises(SystemExit) as exit_info:
+      serve_cli.parse_args(flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch-buckets" in err and message in err, (flags, err)
+  with pytest.raises(ValueError, match=r"the largest bucket must be --max-batch \(16\), got 4"):
+    ServeConfig(batch_buckets="1,4")
+
+
 def test_pallas_needs_a_gpu_backend():
   ServeConfig().check_backend("cpu")  # xla runs anywhere
   for name in ("attention_impl", "moe_impl"):

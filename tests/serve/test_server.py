@@ -33,7 +33,8 @@ from serve.engine_loop import FaultInjector
 from serve.launch import ServerThread
 
 MAX_CONTEXT = 192
-COMMON = dict(max_batch=16, max_context=MAX_CONTEXT, dtype="float32", max_queue=64)
+# Three batch buckets (not the default five): the budget table's sizes, fewer step shapes to compile.
+COMMON = dict(max_batch=16, batch_buckets="1,4,16", max_context=MAX_CONTEXT, dtype="float32", max_queue=64)
 SPEC = ServeConfig(port=0, spec="ddtree", budget="1:16,4:8,16:4", **COMMON)
 SOAK_REQUESTS = int(os.environ.get("DDTREE_SOAK_REQUESTS", "160"))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,11 +48,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def plain_server():
-  """``python -m ddtree_jax.serve --spec none`` in a subprocess. Its batch is 4, so the tests' 16
-  concurrent clients also queue there (and its warm-up compiles three buckets, not five). It
-  computes no log-probabilities (``--max-logprobs -1``)."""
+  """``python -m ddtree_jax.serve --spec none`` in a subprocess. Its batch is 4 (``--batch-buckets
+  1,4``: the largest bucket sets ``--max-batch``), so the tests' 16 concurrent clients also queue
+  there. It computes no log-probabilities (``--max-logprobs -1``)."""
   port = free_port()
-  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--max-batch", "4",
+  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--batch-buckets", "1,4",
          "--max-context", str(MAX_CONTEXT), "--dtype", "float32", "--max-logprobs", "-1",
          "--log-level", "warning"]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -611,8 +612,10 @@ def test_a_request_being_admitted_still_counts_against_the_queue(server, monkeyp
 def test_a_bucket_admitting_fewer_than_planned_runs_a_budget_it_was_compiled_for(server, monkeypatch):
   """The bucket is chosen for the running and waiting requests, and admission may then take fewer
   (here one prompt a turn): the step must still run at a budget compiled for that bucket. Under
-  "1:16,4:8,16:4" bucket 8 holds only budget 4, while 2 running requests would ask for 8."""
+  "1:16,4:8,16:4" with buckets 1, 4 and 16, bucket 16 holds only budget 4, while 2 running
+  requests would ask for 8."""
   loop, rows = server.engine.loop, 8
+  assert loop.decoder.batch_buckets == (1, 4, 16)
   wait_idle(server)
   failures = metric(server.url, "ddtree_engine_failures_total")
   entered, release = hold_admissions(monkeypatch)
@@ -624,7 +627,7 @@ def test_a_bucket_admitting_fewer_than_planned_runs_a_budget_it_was_compiled_for
       first = pool.submit(post)
       assert entered.wait(30)
       rest = [pool.submit(post) for _ in range(rows - 1)]
-      deadline = time.monotonic() + 30  # all of them waiting, so the next turn plans bucket 8
+      deadline = time.monotonic() + 30  # all of them waiting, so the next turn plans bucket 16
       while loop.snapshot()["queued"] < rows and time.monotonic() < deadline:
         time.sleep(0.02)
     finally:
