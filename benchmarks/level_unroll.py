@@ -27,22 +27,22 @@ RAW_STEPS = 40
 TRACE_STEPS = 8
 
 
-def measure(decoder, prompts, bucket: int, new_tokens: int) -> dict:
-  decoder.generate(prompts, 16, stop_token_ids=[])  # warm
+def measure(decoder, prompts, bucket: int, new_tokens: int, budget: int = BUDGET) -> dict:
+  decoder.generate(prompts, 16, budget=budget, stop_token_ids=[])  # warm
   t0 = time.perf_counter()
-  result = decoder.generate(prompts, new_tokens, stop_token_ids=[])
+  result = decoder.generate(prompts, new_tokens, budget=budget, stop_token_ids=[])
   row = {"tokens_per_s": sum(map(len, result.tokens)) / (time.perf_counter() - t0), "tokens": result.tokens}
   batch = engine.Batch(decoder, bucket)
   for prompt in prompts:
     batch.admit(decoder.request(prompt, 800, stop_token_ids=[]))
-  batch.collect(batch.dispatch(BUDGET))
+  batch.collect(batch.dispatch(budget))
   t0 = time.perf_counter()
   for _ in range(RAW_STEPS):
-    handle = batch.dispatch(BUDGET)
+    handle = batch.dispatch(budget)
   jax.block_until_ready(handle[1])
   row["raw_step_ms"] = 1e3 * (time.perf_counter() - t0) / RAW_STEPS
   if jax.default_backend() == "gpu":
-    row.update(step_overhead.summarize(step_overhead.trace_engine_steps(batch, BUDGET, TRACE_STEPS), TRACE_STEPS))
+    row.update(step_overhead.summarize(step_overhead.trace_engine_steps(batch, budget, TRACE_STEPS), TRACE_STEPS))
   batch.close()
   return row
 
