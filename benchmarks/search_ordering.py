@@ -3,10 +3,10 @@
     PYTHONPATH=. python3 benchmarks/search_ordering.py --out benchmarks/results     # GPU
 
 ``policies._layered_search`` orders candidates twice a drafter position and once over all of them.
-On the GPU it now compares every pair of a set (``policies._pairwise_ranks``, up to
+On the GPU it now compares every pair of a set (``models.ordering``, up to
 ``policies.RANK_SELECT_MAX`` elements) instead of running ``lax.sort``, which XLA runs as a copy of
-every operand into its output and a few kernels. For both forms (``sort``: every ordering by
-``lax.sort``, as before), at the budgets and batches below (bf16, greedy, held-out prompts): the
+every operand into its output and a few kernels. For both forms (``sort``: ``RANK_SELECT_MAX`` = 0,
+every ordering of the search by ``lax.sort``, as before; the rest of the step as it is), at the budgets and batches below (bf16, greedy, held-out prompts): the
 decoder's compile time, tokens/s of one ``generate`` of 128 new tokens after a warm-up, the raw step
 (40 dispatched without reading them), the kernels, copies and busy time per step from a trace of 8
 engine steps, and whether the two forms' tokens are identical. Writes ``search_ordering.{json,md}``.
@@ -25,11 +25,6 @@ from ddtree_jax import engine, policies
 from models import dflash, loading
 
 CELLS = ((16, 1), (16, 8), (32, 1), (8, 8))  # (budget, batch): the server's default table's pairs
-
-
-def _sort_everywhere(n, pairwise, sort):
-  del n, pairwise
-  return sort()
 
 
 def markdown(result: dict) -> str:
@@ -71,11 +66,11 @@ def main():
   draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
   held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]
   rows, sorted_tokens = [], {}
-  chosen = policies._pairwise_on_gpu  # pylint: disable=protected-access
+  chosen = policies.RANK_SELECT_MAX
   try:
     for budget, bucket in cells:
       for ordering in ("sort", "pairwise"):
-        policies._pairwise_on_gpu = _sort_everywhere if ordering == "sort" else chosen  # pylint: disable=protected-access
+        policies.RANK_SELECT_MAX = 0 if ordering == "sort" else chosen
         prompts = [held[i % len(held)]["tokens"] for i in range(bucket)]
         t0 = time.perf_counter()
         decoder = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg),
@@ -90,7 +85,7 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
   finally:
-    policies._pairwise_on_gpu = chosen  # pylint: disable=protected-access
+    policies.RANK_SELECT_MAX = chosen
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "rows": rows}
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "search_ordering.json").write_text(json.dumps(result, indent=1))

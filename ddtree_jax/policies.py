@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import tree as tree_lib
+from models import ordering
 
 _POLICIES = {}
 # The layered search's scan over the drafter's positions is unrolled: on the GPU the loop's body
@@ -54,12 +55,11 @@ _POLICIES = {}
 # tokens; docs/engine_step.md). XLA:CPU compiles it no slower. ``benchmarks/level_unroll.py``
 # sets it to 1 (the loop) to compare.
 LEVEL_SCAN_UNROLL = True
-# On the GPU the layered search orders its candidates by comparing every pair (``_pairwise_ranks``)
-# where a set holds at most this many, instead of ``lax.sort``: XLA runs each sort as a copy of
-# every operand into its output and a few kernels, 15 positions x 2 sorts and a scatter a step
-# (docs/engine_step.md), where the pairs are one fused compare-and-count kernel. Past this size the
-# pairs' quadratic work outgrows the sort; on the CPU a sort is a cheap loop, so it sorts there.
-# Both forms give the same order bit for bit (``tests/ddtree_jax/test_policies.py``).
+# On the GPU the layered search orders each set of candidates of at most this many by comparing
+# every pair (``models.ordering``) instead of ``lax.sort``, which XLA runs as a copy of every
+# operand and a few kernels: 15 positions x 2 sorts and a scatter a step (H100, demo pair: raw step
+# 0.71-0.95x, ``docs/engine_step.md``). Past it (budget 64's 4096 candidates a position) the sort
+# stays; ``benchmarks/search_ordering.py`` sets it to 0 (every set sorted) to compare.
 RANK_SELECT_MAX = 1024
 # Parameters every policy takes; anything else is an option bound by ``get_policy``.
 _CALL_PARAMS = ("root_tokens", "start", "ids", "logprobs", "budget", "max_depth")
@@ -173,60 +173,6 @@ def root_only_tree(root_tokens, start, budget: int = 0):
   return _assemble(root_tokens, start, zeros, zeros, jnp.zeros((batch, budget), bool))
 
 
-def _order_key(x):
-  """int32 keys that order as ``lax.sort`` orders ``x``: floats in IEEE total order after its
-  canonicalisation (-0 as 0, every NaN as one NaN, last)."""
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    return x.astype(jnp.int32)
-  x = x.astype(jnp.float32)
-  x = jnp.where(jnp.isnan(x), jnp.float32(jnp.nan), jnp.where(x == 0, jnp.float32(0), x))
-  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # negatives: larger magnitude first
-
-
-def _pairwise_ranks(keys):
-  """Place of each element in the stable lexicographic sort of ``keys`` (a tuple of [n] arrays):
-  rank[i] = #{j: key_j < key_i} + #{j < i: key_j == key_i}, a permutation of [0, n)."""
-  index = jnp.arange(keys[0].shape[0])
-  before = index[None, :] < index[:, None]  # [i, j]: on equal keys j comes first
-  for key in reversed(keys):
-    k = _order_key(key)
-    before = (k[None, :] < k[:, None]) | ((k[None, :] == k[:, None]) & before)
-  return before.sum(1, dtype=jnp.int32)
-
-
-def _sorted_order(keys):
-  return jax.lax.sort((*keys, jnp.arange(keys[0].shape[0], dtype=jnp.int32)), num_keys=len(keys))[-1]
-
-
-def _by_rank(ranks, count: int):
-  """Indices of the elements of ranks 0 .. count - 1 (``ranks`` a permutation)."""
-  return jnp.argmax(ranks[None, :] == jnp.arange(count, dtype=jnp.int32)[:, None], axis=1).astype(jnp.int32)
-
-
-def _pairwise_on_gpu(n: int, pairwise, sort):
-  """``pairwise()`` on GPUs for sets of at most ``RANK_SELECT_MAX``, else ``sort()`` (same result)."""
-  if n > RANK_SELECT_MAX:
-    return sort()
-  return jax.lax.platform_dependent(cuda=pairwise, rocm=pairwise, default=sort)
-
-
-def _first_in_order(keys, count: int):
-  """int32[count]: indices of the first ``count`` elements in the stable lexicographic order of
-  ``keys`` (what ``lax.sort`` of the keys and an iota gives in its first ``count`` places)."""
-  return _pairwise_on_gpu(keys[0].shape[0], lambda: _by_rank(_pairwise_ranks(keys), count),
-                          lambda: _sorted_order(keys)[:count])
-
-
-def _stable_ranks(keys):
-  """int32[n]: each element's place in the stable lexicographic order of ``keys``."""
-  n = keys[0].shape[0]
-
-  def sort():
-    return jnp.zeros(n, jnp.int32).at[_sorted_order(keys)].set(jnp.arange(n, dtype=jnp.int32))
-  return _pairwise_on_gpu(n, lambda: _pairwise_ranks(keys), sort)
-
-
 def _layered_search(logprobs, max_depth, budget, n_keep, n_child, n_pool):
   """Static-shape layered best-first search for one request.
 
@@ -256,11 +202,11 @@ def _layered_search(logprobs, max_depth, budget, n_keep, n_child, n_pool):
     invalid = jnp.broadcast_to(invalid, (n_keep, n_child)).reshape(-1)
     # Children of lexicographically ordered prefixes, ordered by (prefix, own rank).
     lex = (kept_lex[:, None] * n_child + child_rank[None]).reshape(-1)
-    best = _first_in_order((invalid, -score, lex), width)
+    best = ordering.stable_order(invalid, -score, lex, count=width, max_pairwise=RANK_SELECT_MAX)
     invalid, neg_score, lex = invalid[best], -score[best], lex[best]
     parent, rank = best // n_child, best % n_child
     # Re-densify the lexicographic keys so the next depth's keys stay below width * n_child.
-    dense_lex = _stable_ranks((invalid, lex))
+    dense_lex = ordering.stable_ranks(invalid, lex, max_pairwise=RANK_SELECT_MAX)
     valid = invalid == 0
     next_carry = (-neg_score[:n_keep], dense_lex[:n_keep], valid[:n_keep])
     in_pool = valid & (jnp.arange(width) < n_pool)
@@ -274,8 +220,9 @@ def _layered_search(logprobs, max_depth, budget, n_keep, n_child, n_pool):
   flat_level = jnp.repeat(jnp.arange(n_levels, dtype=jnp.int32), width)
   flat = lambda x: x.reshape(-1)
   n_sel = min(budget, n_levels * width)
-  ranks = _stable_ranks(((~flat(in_pool)).astype(jnp.int32), -flat(score), flat_level, flat(lex)))
-  index = _by_rank(ranks, n_sel)
+  ranks = ordering.stable_ranks((~flat(in_pool)).astype(jnp.int32), -flat(score), flat_level, flat(lex),
+                                max_pairwise=RANK_SELECT_MAX)
+  index = ordering.by_rank(ranks, n_sel)
   valid = flat(in_pool)[index]
   row = jnp.where(ranks < n_sel, ranks + 1, 0)  # the selected nodes' rows, 1 .. n_sel
   node_level = flat_level[index]

@@ -25,6 +25,7 @@ from flax import nnx
 
 from models import cache as cache_lib
 from models import int4
+from models import ordering
 from models.config import KimiConfig
 from pallas_kernels import reference
 
@@ -373,6 +374,14 @@ class MoE(nnx.Module):
     return out.astype(x.dtype).reshape(b, q, h), group_sizes
 
 
+# The block's two stable sorts (rows by expert; on the GPU, each token's rows for the combine) run
+# as pairwise ranks on the GPU up to this many rows (M tokens x K experts; ``models.ordering``):
+# XLA's GPU sort copies its operands and runs a few kernels, twice a layer. The limit is the one
+# measured for the tree search's sets (``docs/engine_step.md``); the block itself is not timed yet
+# (``benchmarks/moe_block_ordering.py``).
+MOE_ORDER_MAX_PAIRWISE = ordering.MAX_PAIRWISE
+
+
 def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla", per_row: bool | None = None):
   """The routed half of an MoE layer: sort the (token, expert) rows by expert, run the experts,
   weight the rows and add them back to their tokens.
@@ -404,7 +413,7 @@ def routed_block(tokens, expert_ids, weights, experts, moe_impl: str = "xla", pe
     if per_row or (per_row is None and m * k <= moe.PER_ROW_MAX_ROWS):
       return _routed_block_per_row(tokens, expert_ids, weights, experts)
   flat_ids = expert_ids.reshape(-1)  # [M * K]; rows routed nowhere carry E and sort last
-  order = jnp.argsort(flat_ids, stable=True)
+  order = ordering.stable_order(flat_ids, max_pairwise=MOE_ORDER_MAX_PAIRWISE)  # argsort(stable=True)
   token_of_row = order // k
   group_sizes = jnp.bincount(flat_ids, length=e + 1)[:e].astype(jnp.int32)
   if moe_impl == "pallas":
@@ -475,7 +484,7 @@ def gather_add_rows(y, token_of_row, weight_of_row, routed, *, k: int):
   each row alike whatever the other rows). One stable sort of the rows' tokens finds each token's
   rows in sorted order."""
   m = token_of_row.shape[0] // k
-  rows_of_token = jnp.argsort(token_of_row, stable=True).reshape(m, k)  # [M, K], ascending
+  rows_of_token = ordering.stable_order(token_of_row, max_pairwise=MOE_ORDER_MAX_PAIRWISE).reshape(m, k)  # ascending
   return _add_rows_in_order(y, rows_of_token, weight_of_row, routed)
 
 

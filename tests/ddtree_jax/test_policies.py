@@ -9,6 +9,7 @@ import pytest
 
 from ddtree_jax import policies as P
 from ddtree_jax import tree as T
+from models import ordering
 
 N_LEVELS, TOP_K, VOCAB = 15, 64, 500
 KINDS = ("normal", "quantised", "peaked", "flat", "dupes", "decimal")
@@ -160,32 +161,8 @@ def test_ddtree_looped_level_scan_equals_the_unrolled_one(monkeypatch):
   assert np.asarray(trees[0].valid).sum(1).tolist()[2:] == [13, 1]  # cap 1: 12 of the depth-1 candidates
 
 
-def _ordering_keys(rng, n):
-  """Keys with heavy ties in every position: small ints, floats with both zeros, both NaNs and
-  infinities among few values, and a small-int third key."""
-  floats = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, -1.5, 2.25, -1e-30], np.float32)
-  return (rng.integers(0, 2, n).astype(np.int32), rng.choice(floats, n), rng.integers(-3, 3, n).astype(np.int32))
-
-
-@pytest.mark.parametrize("n", [1, 7, 256])
-def test_pairwise_ranks_give_lax_sorts_stable_order(n):
-  """The GPU's sort-free ordering (``_pairwise_ranks``) against ``lax.sort`` of the same keys: the
-  same permutation, ties, zeros of either sign and NaNs of either sign included."""
-  rng = np.random.default_rng(n)
-  for num_keys in (1, 2, 3):
-    keys = tuple(jnp.asarray(k) for k in _ordering_keys(rng, n)[3 - num_keys:])
-    want = np.asarray(jax.lax.sort((*keys, jnp.arange(n, dtype=jnp.int32)), num_keys=num_keys)[-1])
-    ranks = np.asarray(jax.jit(P._pairwise_ranks)(keys))
-    np.testing.assert_array_equal(np.argsort(ranks), want)
-    for count in {1, n}:
-      np.testing.assert_array_equal(P._by_rank(jnp.asarray(ranks), count), want[:count])
-  # Float keys alone: -0 and 0 tie (stable), every NaN ties and sorts last.
-  zeros_nans = jnp.asarray(np.array([np.nan, 0.0, -np.nan, -0.0, -np.inf, 1.0], np.float32))
-  assert np.asarray(P._pairwise_ranks((zeros_nans,))).tolist() == [4, 1, 5, 2, 0, 3]
-
-
-def _pairwise_everywhere(n, pairwise, sort):
-  del n, sort
+def _pairwise_everywhere(n, max_pairwise, pairwise, sort):
+  del n, max_pairwise, sort
   return pairwise()
 
 
@@ -202,7 +179,7 @@ def test_search_on_pairwise_ranks_builds_the_sorted_searchs_trees(monkeypatch, p
   call = lambda: lambda *a: P.get_policy(policy, **options)(*a, budget=budget, max_depth=caps)
   sorted_tree = jax.jit(call())(*args)
   assert " sort[" in str(jax.make_jaxpr(call())(*args))
-  monkeypatch.setattr(P, "_pairwise_on_gpu", _pairwise_everywhere)
+  monkeypatch.setattr(ordering, "_pairwise_on_gpu", _pairwise_everywhere)
   pairwise_tree = jax.jit(call())(*args)
   assert " sort[" not in str(jax.make_jaxpr(call())(*args))
   for a, b in zip(jax.tree.leaves(pairwise_tree), jax.tree.leaves(sorted_tree)):
@@ -210,9 +187,10 @@ def test_search_on_pairwise_ranks_builds_the_sorted_searchs_trees(monkeypatch, p
   assert np.asarray(sorted_tree.valid).sum() > len(lp) * 2  # real trees, not roots alone
 
 
-def test_sort_free_ordering_is_chosen_for_cuda_up_to_its_size():
+def test_sort_free_ordering_is_chosen_for_cuda_up_to_its_size(monkeypatch):
   """Lowered for CUDA, the search has no sort where every set is small (budget 16: 256
-  candidates a depth) and keeps ``lax.sort`` past ``RANK_SELECT_MAX`` (budget 64: 4096)."""
+  candidates a depth) and keeps ``lax.sort`` past ``RANK_SELECT_MAX`` (budget 64: 4096), or at
+  every size where it is 0 (``benchmarks/search_ordering.py``'s baseline)."""
   def lowered(budget):
     shapes = (jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
               jax.ShapeDtypeStruct((2, 4, budget), jnp.int32), jax.ShapeDtypeStruct((2, 4, budget), jnp.float32))
@@ -221,6 +199,8 @@ def test_sort_free_ordering_is_chosen_for_cuda_up_to_its_size():
   assert "stablehlo.sort" not in lowered(16)
   assert "stablehlo.sort" in lowered(64)
   assert 16 * 16 <= P.RANK_SELECT_MAX < 64 * 64
+  monkeypatch.setattr(P, "RANK_SELECT_MAX", 0)
+  assert "stablehlo.sort" in lowered(16)
 
 
 @pytest.mark.parametrize("policy", ["ddtree", "beam", "chain", "static"])

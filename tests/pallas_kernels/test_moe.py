@@ -1264,6 +1264,7 @@ def test_routed_block_of_one_token_takes_per_row_items_and_equals_the_sorted_pat
   with plgpu.force_gpu_interpret_mode(INTERPRET):
     with pytest.MonkeyPatch.context() as patch:
       patch.setattr(jnp, "argsort", no_sort)
+      patch.setattr(kimi.ordering, "stable_order", no_sort)
       per_row, per_row_load = block(None)
     sorted_path, sorted_load = block(False)
   np.testing.assert_array_equal(np.asarray(per_row), np.asarray(sorted_path))
@@ -1281,7 +1282,8 @@ def test_routed_block_of_one_token_takes_per_row_items_and_equals_the_sorted_pat
 
 def test_one_token_block_lowers_for_the_gpu_without_a_sort(monkeypatch):
   """Lowered for cuda (no GPU needed): the one-token block's program holds the Mosaic GPU kernels
-  and neither a sort nor a float scatter-add; two tokens (16 pairs) take the sorted path."""
+  and neither a sort nor a float scatter-add; two tokens (16 pairs) take the sorted path (its
+  orderings pairwise ranks on the GPU, ``kimi.MOE_ORDER_MAX_PAIRWISE``; its bincount a scatter)."""
   monkeypatch.setattr(kimi, "_check_pallas_backend", lambda: None)
   num_experts, k = 16, 8
   experts = moe.Bf16Experts(*(jnp.zeros(s, jnp.bfloat16) for s in ((num_experts, H, I), (num_experts, H, I),
@@ -1294,7 +1296,7 @@ def test_one_token_block_lowers_for_the_gpu_without_a_sort(monkeypatch):
 
   one, two = lowered(1), lowered(2)
   assert "mosaic_gpu" in one and "stablehlo.sort" not in one and "stablehlo.scatter" not in one
-  assert "stablehlo.sort" in two
+  assert "stablehlo.scatter" in two and "stablehlo.sort" not in two
 
 
 def test_pdl_marks_every_kernel_for_dependent_launch():
