@@ -134,15 +134,19 @@ class MLAttention(nnx.Module):
     self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs)
     self.o_proj = _linear(cfg, n * cfg.v_head_dim, cfg.hidden_size, rngs)
 
-  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool, attention_meta=None):
+  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool, attention_meta=None, slot_offset=None):
     """Attends a window over one layer's pools after writing the window's own latents.
 
     Args:
       x: [B, Q, H] normed hidden states.
-      c_kv_pool: [S + 1, T, R]; k_pe_pool: [S + 1, T, P] (this layer's cache).
+      c_kv_pool: [S + 1, T, R]; k_pe_pool: [S + 1, T, P] (this layer's cache), or every layer's
+        pools as one [L * (S + 1), T, .] array with this layer's slot s at row ``slot_offset + s``
+        (``KimiModel.__call__``: the window is written into the whole cache in place, and the
+        attention reads its slots there, so no layer's pool is copied out and back).
       attention_meta: the kernel's window metadata for this window (``_attention_window``),
         built once per forward and shared by every layer; None: the kernel builds it per call
         (and the "xla" reference needs none).
+      slot_offset: int32 scalar added to the window's slots in the pools; None: 0.
     Returns:
       (out [B, Q, H], c_kv_pool, k_pe_pool) with the window rows written.
     """
@@ -165,8 +169,13 @@ class MLAttention(nnx.Module):
     if c_kv_pool is None:
       attend_c_kv, attend_k_pe = c_kv, k_pe
     else:
-      c_kv_pool = cache_lib.write_window(c_kv_pool, window.slots, window.prefix_len, c_kv)
-      k_pe_pool = cache_lib.write_window(k_pe_pool, window.slots, window.prefix_len, k_pe)
+      if slot_offset is not None:
+        slots = slots + slot_offset
+        if attention_meta is not None:
+          from pallas_kernels import tree_attention
+          attention_meta = tree_attention.offset_window_slots(attention_meta, slot_offset)
+      c_kv_pool = cache_lib.write_window(c_kv_pool, slots, window.prefix_len, c_kv)
+      k_pe_pool = cache_lib.write_window(k_pe_pool, slots, window.prefix_len, k_pe)
       attend_c_kv, attend_k_pe = c_kv_pool, k_pe_pool
 
     w_kv_b = self.kv_b_proj.kernel[...].reshape(r, n, d_nope + cfg.v_head_dim)
@@ -506,9 +515,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
-  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool, attention_meta=None):
+  def __call__(self, x, window: Window, c_kv_pool, k_pe_pool, attention_meta=None, slot_offset=None):
     attn, c_kv_pool, k_pe_pool = self.self_attn(self.input_layernorm(x), window, c_kv_pool,
-                                                k_pe_pool, attention_meta)
+                                                k_pe_pool, attention_meta, slot_offset)
     x = x + attn
     normed = self.post_attention_layernorm(x)
     if isinstance(self.mlp, MoE):
@@ -589,7 +598,11 @@ class KimiModel(nnx.Module):
       feature_slot[layer_id] = k
     feature_slot = jnp.asarray(feature_slot, jnp.int32)
     features = jnp.zeros((num_features + 1, b, q, h), x.dtype)
-    carry = (x, None, None, features) if cache is None else (x, cache.c_kv, cache.k_pe, features)
+    # Every layer's pools as one array of L * (S + 1) slots (see the scan's body).
+    pool_slots = None if cache is None else cache.c_kv.shape[1]
+    carry = ((x, None, None, features) if cache is None else
+             (x, cache.c_kv.reshape((-1,) + cache.c_kv.shape[2:]), cache.k_pe.reshape((-1,) + cache.k_pe.shape[2:]),
+              features))
     # The attention kernel's window metadata, once per forward rather than once per layer.
     attention_meta = _attention_window(cfg, window, None if cache is None else cache.c_kv.shape[2], q)
     loads = []
@@ -606,10 +619,13 @@ class KimiModel(nnx.Module):
         if c_kv is None:
           x, _, _, load = layer(x, window, None, None, attention_meta)
         else:
-          x, c_kv_layer, k_pe_layer, load = layer(x, window, c_kv[layer_id], k_pe[layer_id],
-                                                  attention_meta)
-          c_kv = c_kv.at[layer_id].set(c_kv_layer)
-          k_pe = k_pe.at[layer_id].set(k_pe_layer)
+          # Every layer's pools as one array of L * (S + 1) slots (a reshape, no copy): the layer
+          # writes its window into it in place and reads its slots there. Passing c_kv[layer_id]
+          # would copy the layer's whole pool out and back every layer and step (all slots x T
+          # columns, for a window of Q rows: the demo target's step took 14 -> 179 ms on the CPU
+          # from 1 slot x 1024 columns to 16 x 4096, at batch 1).
+          x, c_kv, k_pe, load = layer(x, window, c_kv, k_pe, attention_meta,
+                                      slot_offset=layer_id * pool_slots)
         features = features.at[feature_slot[layer_id]].set(x)
         return (x, c_kv, k_pe, features), load
 
@@ -625,7 +641,8 @@ class KimiModel(nnx.Module):
                    jnp.zeros((0, cfg.n_routed_experts), jnp.int32))
     out = ForwardOutput(logits=logits, features=jnp.moveaxis(features[:num_features], 0, 2),
                         expert_load=expert_load)
-    return out, (None if cache is None else dataclasses.replace(cache, c_kv=c_kv, k_pe=k_pe))
+    return out, (None if cache is None else dataclasses.replace(
+        cache, c_kv=c_kv.reshape(cache.c_kv.shape), k_pe=k_pe.reshape(cache.k_pe.shape)))
 
 
 def train_forward(model: KimiModel, tokens, valid=None, feature_layers: Sequence[int] = ()):

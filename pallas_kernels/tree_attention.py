@@ -1426,6 +1426,17 @@ def _prepare(name, slots, prefix_len, visibility, valid, *, heads_per_group, num
       cache_len=padded_len, pl_=pl_, call_dims=call_dims), split_counts=_split_counts(meta, pl_))
 
 
+def offset_window_slots(window_meta: WindowMeta, offset) -> WindowMeta:
+  """``window_meta`` for the same window with every request's pool slot moved by ``offset`` (an
+  int32 scalar, traced or not): for a pool that stacks several layers' slots, each layer's at its
+  own offset (``models.kimi``), so one step's metadata serves every layer. One small fusion."""
+  if not isinstance(window_meta, WindowMeta):
+    raise TypeError(f"offset_window_slots: window_meta must be a WindowMeta, got {type(window_meta).__name__}")
+  meta = window_meta.meta  # [BG, row tiles, 2 + W, Rt]; the request row is the last, its slot first
+  meta = meta.at[:, :, -1, 0].add(jnp.asarray(offset, jnp.int32))
+  return dataclasses.replace(window_meta, meta=meta)
+
+
 def _mla_dims(latent_dim, rope_dim, cache_len):
   return (("latent_dim", latent_dim), ("rope_dim", rope_dim), ("cache_len", cache_len))
 
