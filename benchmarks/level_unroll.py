@@ -7,7 +7,9 @@
 greedy, held-out prompts): the decoder's compile time, tokens/s of one ``generate`` of 128 new
 tokens (16 on the CPU) after a warm-up, the raw step (40 dispatched without reading them), and on
 the GPU the kernels, copies and busy time per step from a trace of 8 engine steps; and whether the
-two forms' tokens are identical. Writes ``level_unroll.{json,md}``.
+two forms' tokens are identical (each batch's two forms now one after the other). Writes
+``level_unroll.{json,md}``. ``time_forms`` runs such a comparison for any ``policies`` setting
+(``search_ordering.py`` uses it).
 """
 
 import argparse
@@ -63,35 +65,49 @@ def markdown(result: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def time_forms(setting: str, forms, cells, *, key: str, new_tokens: int) -> list[dict]:
+  """Demo-pair decoders (ddtree, bf16) under each form of a ``policies`` setting, in one process.
+
+  For each (budget, batch) of ``cells`` and each (label, value) of ``forms`` in turn, with
+  ``policies.<setting>`` = value (restored afterwards): a decoder compiled for that one shape and
+  ``measure``d, as a row {key: label, "budget", "batch", "compile_s", ..., "same_tokens"} (its
+  tokens against the cell's first form's).
+  """
+  target = loading.load_kimi("kimi-demo", dtype="bfloat16")
+  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
+  held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]
+  rows, first_tokens = [], {}
+  chosen = getattr(policies, setting)
+  try:
+    for budget, bucket in cells:
+      for label, value in forms:
+        setattr(policies, setting, value)
+        prompts = [held[i % len(held)]["tokens"] for i in range(bucket)]
+        t0 = time.perf_counter()
+        decoder = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg),
+                                            dflash.DFlashDrafter.params(draft, target), policy="ddtree",
+                                            budgets=(budget,), batch_buckets=(bucket,), max_len=1024,
+                                            show_progress=False)
+        row = {key: label, "budget": budget, "batch": bucket, "compile_s": time.perf_counter() - t0,
+               **measure(decoder, prompts, bucket, new_tokens, budget=budget)}
+        tokens = row.pop("tokens")
+        first_tokens.setdefault((budget, bucket), tokens)
+        row["same_tokens"] = tokens == first_tokens[budget, bucket]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+  finally:
+    setattr(policies, setting, chosen)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
   args = parser.parse_args()
   gpu = jax.default_backend() == "gpu"
-  target = loading.load_kimi("kimi-demo", dtype="bfloat16")
-  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
-  held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]
-  rows, looped = [], {}
-  chosen = policies.LEVEL_SCAN_UNROLL
-  try:
-    for scan, unroll in (("looped", 1), ("unrolled", True)):
-      policies.LEVEL_SCAN_UNROLL = unroll
-      for bucket in ((1, 8) if gpu else (1,)):
-        prompts = [held[i % len(held)]["tokens"] for i in range(bucket)]
-        t0 = time.perf_counter()
-        decoder = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg),
-                                            dflash.DFlashDrafter.params(draft, target), policy="ddtree",
-                                            budgets=(BUDGET,), batch_buckets=(bucket,), max_len=1024,
-                                            show_progress=False)
-        row = {"scan": scan, "batch": bucket, "compile_s": time.perf_counter() - t0,
-               **measure(decoder, prompts, bucket, 128 if gpu else 16)}
-        tokens = row.pop("tokens")
-        looped.setdefault(bucket, tokens)
-        row["same_tokens"] = tokens == looped[bucket]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-  finally:
-    policies.LEVEL_SCAN_UNROLL = chosen
+  rows = time_forms("LEVEL_SCAN_UNROLL", (("looped", 1), ("unrolled", True)),
+                    [(BUDGET, bucket) for bucket in ((1, 8) if gpu else (1,))], key="scan",
+                    new_tokens=128 if gpu else 16)
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "rows": rows}
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "level_unroll.json").write_text(json.dumps(result, indent=1))

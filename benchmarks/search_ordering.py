@@ -16,13 +16,11 @@ import argparse
 import json
 import pathlib
 import sys
-import time
 
 import jax
 
 import level_unroll
-from ddtree_jax import engine, policies
-from models import dflash, loading
+from ddtree_jax import policies
 
 CELLS = ((16, 1), (16, 8), (32, 1), (8, 8))  # (budget, batch): the server's default table's pairs
 
@@ -62,30 +60,8 @@ def main():
   if jax.default_backend() != "gpu":
     raise SystemExit("search_ordering.py compares GPU step times (on the CPU both forms sort)")
   cells = [tuple(int(v) for v in cell.split("x")) for cell in args.cells.split(",")]
-  target = loading.load_kimi("kimi-demo", dtype="bfloat16")
-  draft = loading.load_dflash("kimi-demo-dflash", dtype="bfloat16")
-  held = json.loads((loading.resolve_model_dir("kimi-demo") / "held_out_prompts.json").read_text())["prompts"]
-  rows, sorted_tokens = [], {}
-  chosen = policies.RANK_SELECT_MAX
-  try:
-    for budget, bucket in cells:
-      for ordering in ("sort", "pairwise"):
-        policies.RANK_SELECT_MAX = 0 if ordering == "sort" else chosen
-        prompts = [held[i % len(held)]["tokens"] for i in range(bucket)]
-        t0 = time.perf_counter()
-        decoder = engine.SpeculativeDecoder(target, dflash.DFlashDrafter(draft.cfg),
-                                            dflash.DFlashDrafter.params(draft, target), policy="ddtree",
-                                            budgets=(budget,), batch_buckets=(bucket,), max_len=1024,
-                                            show_progress=False)
-        row = {"budget": budget, "batch": bucket, "ordering": ordering, "compile_s": time.perf_counter() - t0,
-               **level_unroll.measure(decoder, prompts, bucket, 128, budget=budget)}
-        tokens = row.pop("tokens")
-        sorted_tokens.setdefault((budget, bucket), tokens)
-        row["same_tokens"] = tokens == sorted_tokens[budget, bucket]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-  finally:
-    policies.RANK_SELECT_MAX = chosen
+  rows = level_unroll.time_forms("RANK_SELECT_MAX", (("sort", 0), ("pairwise", policies.RANK_SELECT_MAX)), cells,
+                                 key="ordering", new_tokens=128)
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "rows": rows}
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "search_ordering.json").write_text(json.dumps(result, indent=1))

@@ -166,7 +166,10 @@ def _pairwise_everywhere(n, max_pairwise, pairwise, sort):
   return pairwise()
 
 
-@pytest.mark.parametrize("policy, budget, options", [("ddtree", 7, {}), ("ddtree", 16, {}), ("beam", 15, {"width": 3})])
+# ddtree at budget 16 by default (the GPU's sizes); a small budget and beam (the same search) under -m slow.
+@pytest.mark.parametrize("policy, budget, options", [
+    pytest.param("ddtree", 7, {}, marks=pytest.mark.slow), ("ddtree", 16, {}),
+    pytest.param("beam", 15, {"width": 3}, marks=pytest.mark.slow)])
 def test_search_on_pairwise_ranks_builds_the_sorted_searchs_trees(monkeypatch, policy, budget, options):
   """The layered search with every ordering sort-free (as on the GPU, here at every size) builds
   the trees of the CPU's sorted search, which the tests above hold to the host references."""
