@@ -49,6 +49,15 @@ def measure(decoder, prompts, bucket: int, new_tokens: int, budget: int = BUDGET
   return row
 
 
+def step_cells(row: dict) -> str:
+  """A ``measure``d row's table cells: compile s | tok/s | raw step ms | kernels | copies | busy us |
+  same tokens ("-" where the GPU-only columns are missing)."""
+  per_step = lambda key, fmt: format(row[key], fmt) if key in row else "-"
+  return (f"{row['compile_s']:.1f} | {row['tokens_per_s']:.0f} | {row['raw_step_ms']:.3f} | "
+          f"{per_step('kernels_per_step', '.0f')} | {per_step('copies_per_step', '.0f')} | "
+          f"{per_step('busy_us_per_step', '.0f')} | {'yes' if row['same_tokens'] else 'NO'}")
+
+
 def markdown(result: dict) -> str:
   lines = [f"# The DDTree policy's level scan, looped against unrolled ({result['device']}, jax {result['jax']})", "",
            f"Demo pair, bf16, greedy, budget {BUDGET}; raw: {RAW_STEPS} steps dispatched without reading them; "
@@ -56,11 +65,7 @@ def markdown(result: dict) -> str:
            "| scan | batch | compile s | tok/s | raw step ms | kernels | copies | busy us | tokens as looped |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
-    per_step = lambda key, fmt: format(row[key], fmt) if key in row else "-"
-    lines.append(f"| {row['scan']} | {row['batch']} | {row['compile_s']:.1f} | {row['tokens_per_s']:.0f} | "
-                 f"{row['raw_step_ms']:.3f} | {per_step('kernels_per_step', '.0f')} | "
-                 f"{per_step('copies_per_step', '.0f')} | {per_step('busy_us_per_step', '.0f')} | "
-                 f"{'yes' if row['same_tokens'] else 'NO'} |")
+    lines.append(f"| {row['scan']} | {row['batch']} | {step_cells(row)} |")
   lines += ["", f"Command: `PYTHONPATH=. python3 benchmarks/level_unroll.py {' '.join(result['argv'])}`"]
   return "\n".join(lines) + "\n"
 

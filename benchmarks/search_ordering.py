@@ -32,11 +32,7 @@ def markdown(result: dict) -> str:
            "| budget | batch | ordering | compile s | tok/s | raw step ms | kernels | copies | busy us | tokens as sorted |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for row in result["rows"]:
-    per_step = lambda key, fmt: format(row[key], fmt) if key in row else "-"
-    lines.append(f"| {row['budget']} | {row['batch']} | {row['ordering']} | {row['compile_s']:.1f} | "
-                 f"{row['tokens_per_s']:.0f} | {row['raw_step_ms']:.3f} | {per_step('kernels_per_step', '.0f')} | "
-                 f"{per_step('copies_per_step', '.0f')} | {per_step('busy_us_per_step', '.0f')} | "
-                 f"{'yes' if row['same_tokens'] else 'NO'} |")
+    lines.append(f"| {row['budget']} | {row['batch']} | {row['ordering']} | {level_unroll.step_cells(row)} |")
   lines += ["", "Ratios, pairwise / sort (raw step, busy): " + ", ".join(
       f"budget {b} batch {n}: {r['raw_step_ms'] / s['raw_step_ms']:.2f}x, "
       f"{r.get('busy_us_per_step', float('nan')) / s.get('busy_us_per_step', float('nan')):.2f}x"
