@@ -26,6 +26,7 @@ from flax import nnx
 from models import cache as cache_lib
 from models import int4
 from models import ordering
+from models import row_invariant
 from models.config import KimiConfig
 from pallas_kernels import reference
 
@@ -53,7 +54,7 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    y = x32 * row_invariant.rms_scale(x, self.eps)
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -374,7 +375,7 @@ class MoE(nnx.Module):
     cfg = self.cfg
     b, q, h = x.shape
     tokens = x.reshape(b * q, h)
-    logits = tokens.astype(jnp.float32) @ self.gate[...].astype(jnp.float32)
+    logits = row_invariant.small_matmul(tokens, self.gate[...])
     expert_ids, weights = route(logits, self.e_score_correction_bias[...].astype(jnp.float32),
                                 valid.reshape(-1), cfg)
     out, group_sizes = routed_block(tokens, expert_ids, weights, self.routed_weights(), cfg.moe_impl)
