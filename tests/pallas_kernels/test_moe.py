@@ -726,8 +726,10 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   row's products in one order whatever the rows beside it: interpret mode takes a step's product
   as one XLA:CPU dot of 128 or 64 rows, and XLA:CPU's dots are not row-invariant on every host
   (on an AMD EPYC with AVX512-BF16, 2026-12-02, 6 of the 78848 values were one bf16 step apart;
-  on the machines before, none). So here each value is at most one bf16 step from the 64-row
-  items' (a row read from the wrong place or with the wrong expert is far more). Against
+  on the machines before, none; on an AVX2-only EPYC, 2026-12-07, one value two steps apart: a
+  one-step difference in the gate/up product's bf16 rows, carried through the down product). So
+  here each value is at most two bf16 steps from the 64-row items' and all but 0.1% are equal (a
+  row read from the wrong place or with the wrong expert is far more). Against
   ``BF16_TILES``' longer down steps only on the GPU, whose MMAs add k in 16-feature steps whatever
   the tile: interpret mode sums a step's product in one dot."""
   rng = np.random.default_rng(50)
@@ -750,7 +752,7 @@ def test_wide_bf16_items_read_each_expert_once_and_give_the_64_row_items_rows():
   assert (np.asarray(down_steps) > 0).sum() == touched * down_tiles
   assert len(expected_items(sizes, 64)) > touched + 2  # what 64-row windows would have read
   apart = bf16_ulps_apart(wide, narrow)
-  assert apart.max() <= 1, f"{int((apart > 1).sum())} values more than one bf16 step apart"
+  assert apart.max() <= 2, f"{int((apart > 2).sum())} values more than two bf16 steps apart"
   assert (apart == 0).mean() > 0.999  # not merely close: the same values but for the dot's rounding
   assert_close(wide, reference(x, sizes, experts), int(sizes.sum()))
 
