@@ -8,8 +8,9 @@ host (2026-12-07) two of the target's reductions changed with the row count: the
 squares (a row reduction vectorised one way for up to 8 rows and another for 17 or more; and
 ``rsqrt``, whose vector and scalar code round differently) and the router's float32 product (a
 dot blocked by the number of rows). With these forms the demo target's bf16 verify rows equal its
-decode rows bit for bit there (``tests/models/test_row_invariant.py``). On hosts with AVX512-BF16
-the plain forms happened to agree.
+decode rows bit for bit there from 8 rows a call up (``tests/models/test_row_invariant.py``,
+``docs/bf16_near_ties.md``; a call of one row still rounds otherwise, in its projections and the
+reference attention). On hosts with AVX512-BF16 the plain forms happened to agree.
 
 Only bf16 models on the CPU take these forms (``jax.lax.platform_dependent``; they cost a verify
 step's compilation about 0.25 s, so float32 models, whose last-bit differences the float32 rule

@@ -23,7 +23,7 @@ def _in_chunks(fn, rows, chunk):
 
 @pytest.mark.parametrize("chunk", [1, 8, 17])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(chunk):
-  """96 rows at once against the same rows in chunks (decode steps are batch-sized, verify and
+  """408 rows at once against the same rows in chunks (decode steps are batch-sized, verify and
   prefill windows larger). XLA:CPU's own row reduction and dot fail this on an AVX2 host: the mean
   of squares differed in 151 of 384 rows between 8 and 4800 rows at once."""
   rng = np.random.default_rng(chunk)
