@@ -589,6 +589,24 @@ class KimiModel(nnx.Module):
     Returns:
       (ForwardOutput, cache).
     """
+    batch = tokens.shape[0]
+    if cache is None or not row_invariant.pads_small_batches(self.cfg.dtype, batch):
+      return self._forward(tokens, window, cache, feature_layers, logits_rows)
+
+    def padded(tokens, window, cache, logits_rows):
+      extra = row_invariant.MIN_CPU_BATCH - batch
+      tokens, window, logits_rows = _pad_batch(tokens, window, logits_rows, extra, cache.scratch_slot)
+      out, cache = self._forward(tokens, window, cache, feature_layers, logits_rows)
+      return ForwardOutput(logits=out.logits[:batch], features=out.features[:batch],
+                           expert_load=out.expert_load), cache
+
+    def plain(tokens, window, cache, logits_rows):
+      return self._forward(tokens, window, cache, feature_layers, logits_rows)
+
+    return jax.lax.platform_dependent(tokens, window, cache, logits_rows, cpu=padded, default=plain)
+
+  def _forward(self, tokens, window: Window, cache: cache_lib.KVCache | None, feature_layers: Sequence[int] = (),
+               logits_rows=None):
     cfg = self.cfg
     x = self.embed_tokens(tokens)
     b, q, h = x.shape
@@ -644,6 +662,26 @@ class KimiModel(nnx.Module):
                         expert_load=expert_load)
     return out, (None if cache is None else dataclasses.replace(
         cache, c_kv=c_kv.reshape(cache.c_kv.shape), k_pe=k_pe.reshape(cache.k_pe.shape)))
+
+
+def _pad_batch(tokens, window: Window, logits_rows, extra: int, scratch_slot: int):
+  """``extra`` more batch rows that carry no request: invalid, in the scratch slot (where a
+  forward writes their zeroed latents), after the real ones.
+
+  Returns:
+    (tokens, window, logits_rows), each with B + extra rows in front.
+  """
+  q = tokens.shape[1]
+
+  def pad(x, value):
+    return jnp.concatenate([x, jnp.full((extra,) + x.shape[1:], value, x.dtype)])
+
+  window = Window(positions=pad(window.positions, 0),
+                  visibility=jnp.concatenate([window.visibility,
+                                              jnp.broadcast_to(jnp.eye(q, dtype=bool), (extra, q, q))]),
+                  valid=pad(window.valid, False), slots=pad(window.slots, scratch_slot),
+                  prefix_len=pad(window.prefix_len, 0))
+  return pad(tokens, 0), window, None if logits_rows is None else pad(logits_rows, 0)
 
 
 def train_forward(model: KimiModel, tokens, valid=None, feature_layers: Sequence[int] = ()):

@@ -8,9 +8,11 @@ host (2026-12-07) two of the target's reductions changed with the row count: the
 squares (a row reduction vectorised one way for up to 8 rows and another for 17 or more; and
 ``rsqrt``, whose vector and scalar code round differently) and the router's float32 product (a
 dot blocked by the number of rows). With these forms the demo target's bf16 verify rows equal its
-decode rows bit for bit there from 8 rows a call up (``tests/models/test_row_invariant.py``,
-``docs/bf16_near_ties.md``; a call of one row still rounds otherwise, in its projections and the
-reference attention). On hosts with AVX512-BF16 the plain forms happened to agree.
+decode rows bit for bit there from 3 requests a call up; a call of fewer (a matrix-vector product
+in the projections, a batched product of one or two entries in the reference attention) rounds
+otherwise, so ``KimiModel`` runs bf16 batches of fewer than ``MIN_CPU_BATCH`` requests padded to
+it on the CPU (``tests/models/test_row_invariant.py``, ``docs/bf16_near_ties.md``). On hosts with
+AVX512-BF16 the plain forms happened to agree.
 
 Only bf16 models on the CPU take these forms (``jax.lax.platform_dependent``; they cost a verify
 step's compilation about 0.25 s, so float32 models, whose last-bit differences the float32 rule
@@ -72,3 +74,17 @@ def small_matmul(x, w):
     return pinned_sum(x32[:, None, :] * w32.T[None, :, :])[..., 0]
 
   return jax.lax.platform_dependent(x32, w32, cpu=invariant, default=lambda x32, w32: x32 @ w32)
+
+
+# Batches of fewer rows than this run padded to it (bf16 on the CPU). XLA:CPU computes a product
+# with one row (a matrix-vector product) or a batched one with one or two batch entries (the
+# reference attention's ``b``) in another order than with more: the bf16 demo target's decode
+# rows at batch 1 and 2 differed from the same rows verified in one window, at batch 3 and up they
+# were bit for bit the same (2026-12-07, AVX2 host). Four leaves a margin.
+MIN_CPU_BATCH = 4
+
+
+def pads_small_batches(dtype, batch: int) -> bool:
+  """Whether a bf16 forward of ``batch`` requests runs with ``MIN_CPU_BATCH`` on the CPU (the
+  caller pads under ``jax.lax.platform_dependent``, so the GPU runs the batch as it is)."""
+  return _needs_invariance(dtype) and batch < MIN_CPU_BATCH
