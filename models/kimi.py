@@ -588,6 +588,10 @@ class KimiModel(nnx.Module):
       logits_rows: optional int32[B, R] rows for which to compute logits (default: all Q).
     Returns:
       (ForwardOutput, cache).
+
+    A bf16 forward with a cache and fewer than ``row_invariant.MIN_CPU_BATCH`` requests runs padded
+    to that many on the CPU (rows without a request, in the scratch slot), so that a request's bits
+    do not depend on how many are decoded with it (``docs/bf16_near_ties.md``).
     """
     batch = tokens.shape[0]
     if cache is None or not row_invariant.pads_small_batches(self.cfg.dtype, batch):
@@ -607,6 +611,7 @@ class KimiModel(nnx.Module):
 
   def _forward(self, tokens, window: Window, cache: cache_lib.KVCache | None, feature_layers: Sequence[int] = (),
                logits_rows=None):
+    """``__call__`` for the batch as given."""
     cfg = self.cfg
     x = self.embed_tokens(tokens)
     b, q, h = x.shape
@@ -669,7 +674,7 @@ def _pad_batch(tokens, window: Window, logits_rows, extra: int, scratch_slot: in
   forward writes their zeroed latents), after the real ones.
 
   Returns:
-    (tokens, window, logits_rows), each with B + extra rows in front.
+    (tokens, window, logits_rows) of B + extra rows, the real ones first.
   """
   q = tokens.shape[1]
 
