@@ -12,6 +12,9 @@ from models import cache as cache_lib
 from models import forward as fwd
 from models import loading, row_invariant
 
+# The forms and the padding are the CPU's (``jax.lax.platform_dependent``); a GPU keeps XLA's.
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="row invariance is the CPU's forms")
+
 
 @pytest.mark.parametrize("n", [1, 2, 7, 384, 513])
 def test_pinned_sum_is_the_sum(n):
@@ -25,6 +28,7 @@ def _in_chunks(fn, rows, chunk):
   return np.concatenate([np.asarray(fn(rows[i:i + chunk])) for i in range(0, rows.shape[0], chunk)])
 
 
+@cpu_only
 @pytest.mark.parametrize("chunk", [1, 8, 17])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(chunk):
   """408 rows at once against the same rows in chunks (decode steps are batch-sized, verify and
@@ -66,6 +70,7 @@ def bf16_demo_target():
   return loading.load_kimi("kimi-demo", dtype="bfloat16", param_dtype="bfloat16")
 
 
+@cpu_only
 def test_a_request_alone_decodes_the_bits_it_decodes_in_a_batch(bf16_demo_target):
   """bf16 on the CPU: the demo target's greedy logits for a prompt decoded alone (batch 1, one row a
   step, padded to ``MIN_CPU_BATCH``) are bit for bit those of the same prompt decoded among four
