@@ -76,11 +76,11 @@ def small_matmul(x, w):
   return jax.lax.platform_dependent(x32, w32, cpu=invariant, default=lambda x32, w32: x32 @ w32)
 
 
-# Batches of fewer requests than this run padded to it (bf16 on the CPU, ``KimiModel``). XLA:CPU computes a product
-# with one row (a matrix-vector product) or a batched one with one or two batch entries (the
-# reference attention's ``b``) in another order than with more: the bf16 demo target's decode
-# rows at batch 1 and 2 differed from the same rows verified in one window, at batch 3 and up they
-# were bit for bit the same (2026-12-07, AVX2 host). Four leaves a margin.
+# Batches of fewer requests than this run padded to it (bf16 on the CPU, ``KimiModel``). XLA:CPU
+# computes a product with one row (a matrix-vector product) or a batched one with one or two batch
+# entries (the reference attention's ``b``) in another order than with more: the bf16 demo target's
+# decode rows at batch 1 and 2 differed from the same rows verified in one window, at batch 3 and up
+# they were bit for bit the same (2026-12-07, AVX2 host). Four leaves a margin.
 MIN_CPU_BATCH = 4
 
 

@@ -1,5 +1,6 @@
 """``models/row_invariant.py``: on the CPU a bf16 row's reductions give the same bits whatever rows
-are computed beside it, and the sums are right (against float64 numpy)."""
+are computed beside it, and the sums are right (against float64 numpy); with small batches padded,
+a request decoded alone gets the bits it gets among others."""
 
 import json
 
