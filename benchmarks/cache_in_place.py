@@ -140,5 +140,6 @@ def main():
                                markdown=markdown, merge=False, cell=None, model=args.model, prefix=args.prefix,
                                calls=args.calls, form=f"models.kimi from {args.before}" if args.before else "in place")
 
+
 if __name__ == "__main__":
   main()
