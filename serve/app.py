@@ -80,7 +80,7 @@ def create_app(state: ServerState) -> FastAPI:
 
   app.add_middleware(_Guard, state=state)
 
-  @app.get("/health")
+  @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers often probe with HEAD
   async def health():
     if state.load_error:
       return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
@@ -306,7 +306,8 @@ def _make_job(eng: Engine, body, prompt_ids: list[int], max_tokens: int, chat: b
                                        prompt_logprobs=_echoes_logprobs(body, chat))
   except ValueError as err:  # EngineError and SamplingParams' checks name the argument
     raise ApiError(400, str(err)) from None
-  return Job(request=request, text=StreamText(eng.codec, body.stop_strings), sink=sink)
+  return Job(request=request, text=StreamText(eng.codec, body.stop_strings), sink=sink,
+             textless_stop_ids=frozenset(eng.codec.stop_ids) | frozenset(eng.codec.chat_stop_ids))
 
 
 async def _serve(request: Request, eng: Engine, body, prompt_ids, max_tokens, *, chat: bool, echo: str = ""):

@@ -192,6 +192,10 @@ class Job:
   consumed: int = 0  # tokens already turned into events
   done: bool = False
   counted: bool = True  # in the request and token metrics (the server's warm-up request is not)
+  # Stop ids whose own text the output leaves out: the model's (EOS, a chat turn's end). An id the
+  # request adds in ``stop_token_ids`` keeps its text, as vLLM returns it (special tokens decode to
+  # nothing anyway), so text, ``token_ids``, ``usage`` and logprobs all hold the same tokens.
+  textless_stop_ids: frozenset = frozenset()
 
   @property
   def prompt_tokens(self) -> int:
@@ -413,8 +417,8 @@ class EngineLoop:
           self.metrics.ttft.observe(now - job.arrival)
       finished = request.finished
       visible = tokens
-      if finished and request.finish_reason == "stop" and tokens and tokens[-1] in self._stop_ids(request):
-        visible = tokens[:-1]  # a stop id ends the text; its own text is not part of it
+      if finished and request.finish_reason == "stop" and tokens and tokens[-1] in job.textless_stop_ids:
+        visible = tokens[:-1]  # the model's end-of-text id ends the text; its own spelling is not part of it
       text = job.text.push(visible, final=finished)
       # Report the tokens up to the one that completes a stop string: a step that emitted several
       # tokens past it (speculation) must not change what the client is told, or the metrics.
@@ -431,10 +435,6 @@ class EngineLoop:
       elif text:
         job.sink(Event(text=text, completion_tokens=len(tokens), tokens=tokens, logprobs=request.logprobs,
                        prompt_logprobs=request.prompt_logprobs))
-
-  @staticmethod
-  def _stop_ids(request: engine.Request) -> set:
-    return set(request.stop_tokens[request.stop_valid].tolist())
 
   def _finish(self, job: Job, *, text: str = "", reason: str | None = None, error: str | None = None,
               num_tokens: int | None = None) -> None:

@@ -37,7 +37,7 @@ class ApiError(Exception):
 
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True)
-  include_usage: bool = False
+  include_usage: bool | None = False  # null means false, as for the other optional flags
 
 
 class _Sampling(BaseModel):

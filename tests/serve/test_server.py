@@ -201,6 +201,28 @@ def test_stop_string_gives_the_same_tokens_and_usage_with_and_without_speculatio
     assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["text"] == spec["choices"][0]["text"]
 
 
+def test_a_requested_stop_token_id_ends_the_text_after_its_own(server):
+  """A ``stop_token_ids`` entry that spells text ends the request with its text included (as vLLM
+  returns it), so text, ``token_ids`` and ``usage`` hold the same tokens, streamed or not."""
+  url = server.url + "/v1/completions"
+  body = {"prompt": "import os\nimport sys\n", "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+  ids = httpx.post(url, json=body).json()["choices"][0]["token_ids"]
+  codec = server.engine.codec
+  stop_id = next(t for t in ids[3:] if codec.decode([t]).strip())
+  through = ids.index(stop_id) + 1
+  reply = httpx.post(url, json={**body, "stop_token_ids": [stop_id]}).json()
+  choice = reply["choices"][0]
+  assert choice["finish_reason"] == "stop" and choice["token_ids"] == ids[:through]
+  assert choice["text"] == codec.decode(ids[:through]) != codec.decode(ids[:through - 1])  # its text included
+  assert reply["usage"]["completion_tokens"] == through
+  streamed = []
+  with httpx.stream("POST", url, json={**body, "stop_token_ids": [stop_id], "stream": True}, timeout=300) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: ") and line != "data: [DONE]":
+        streamed.append(json.loads(line[6:])["choices"][0]["text"])
+  assert "".join(streamed) == choice["text"]
+
+
 def teacher_forced_logprobs(server, prompt_ids, token_ids):
   """float64 log_softmax of the server's target at each generated token, from one plain prefill of
   prompt + generated tokens (no tree, no drafter, no engine)."""
@@ -474,6 +496,8 @@ def test_bad_requests_get_openai_errors(server):
 def test_edges_of_the_openai_surface(server):
   """Unknown routes and methods answer in OpenAI's error shape, a model can be retrieved by id,
   lone surrogates are a 400 (not a 500 from the tokenizer), and a message name is refused, not dropped."""
+  probe = httpx.head(server.url + "/health")  # as load balancers probe
+  assert probe.status_code == 200 and not probe.content
   nope = httpx.get(server.url + "/v1/nope")
   assert nope.status_code == 404 and nope.json()["error"]["message"] == "GET /v1/nope: Not Found"
   wrong = httpx.get(server.url + "/v1/completions")

@@ -2,6 +2,7 @@
 fault specs, and the mapping of bad bodies to 400s naming the field."""
 
 import json
+import random
 import threading
 import time
 
@@ -79,6 +80,60 @@ def test_prefix_of_a_stop_string_is_held_back_then_released(codec):
   sent = stream.push(ids)
   assert sent == "abc " or sent.endswith(" ") and "END" not in sent  # "END" could still become "ENDING"
   assert sent + stream.push(ids, final=True) == "abc END"  # at the end nothing is held back
+
+
+class _CharCodec:
+  """A codec whose every id is one character (``chr(id)``): texts and step sizes chosen freely."""
+
+  @staticmethod
+  def decode(ids):
+    return "".join(map(chr, ids))
+
+
+def _held_back_reference(text: str, stops) -> int:
+  """The longest tail of ``text`` that is a proper prefix of a stop string, by testing every length."""
+  return max((n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1)
+              if text.endswith(stop[:n])), default=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_held_back_tail_matches_testing_every_prefix(seed):
+  """The held-back tail (tracked by one prefix automaton per stop string, fed only the new text)
+  is the longest tail that is a proper prefix of a stop string, step after step; periodic stop
+  strings over a two-letter alphabet make many partial matches fall back."""
+  rng = random.Random(seed)
+  stops = ("abab", "aab", "aaaa", "bba") + tuple("".join(rng.choice("ab") for _ in range(rng.randint(2, 9)))
+                                                  for _ in range(3))
+  text = "".join(rng.choice("ab") for _ in range(400))
+  ids = [ord(c) for c in text]
+  stream = StreamText(_CharCodec(), stops)
+  sent, end = "", 0
+  while end < len(ids) and not stream.stopped:
+    end += rng.randint(1, 3)
+    sent += stream.push(ids[:end])
+    if not stream.stopped:
+      held = _held_back_reference(stream.text, stops)
+      assert sent == stream.text[:len(stream.text) - held], (end, held)
+  first = min((text.find(s), s) for s in stops if s in text)
+  assert stream.stopped and sent == text[:first[0]]
+
+
+def test_long_stop_strings_cost_a_step_its_new_text():
+  """16 stop strings of 1000 characters (the most a request may send) over 2000 steps of a few
+  characters: re-testing every prefix each step took ~8 ms a step (16 s here); the automata read
+  each character once (~0.1 s)."""
+  rng = random.Random(0)
+  stops = tuple("x" * 999 + chr(ord("A") + i) for i in range(16))  # a tail of x's is always held back
+  stream = StreamText(_CharCodec(), stops)
+  ids, sent = [], ""
+  start = time.perf_counter()
+  for _ in range(2000):
+    ids += [ord("x")] * rng.randint(1, 3) if rng.random() < 0.9 else [ord("y")]
+    sent += stream.push(ids)
+  elapsed = time.perf_counter() - start
+  text = "".join(map(chr, ids))
+  assert not stream.stopped and sent == text[:len(text) - _held_back_reference(text, stops)]
+  assert elapsed < 4.0, f"2000 steps took {elapsed:.1f} s"
 
 
 def test_builtin_chat_template_uses_special_ids_and_reads_content_literally(codec):
@@ -346,9 +401,10 @@ def test_valid_bodies_parse():
   assert completion.single_prompt == [1, 2, 3]
   # null for the boolean flags (clients may send unset fields so) means false.
   nulls = _parse(protocol.CompletionRequest, {"prompt": "x", "stream": None, "echo": None, "ignore_eos": None,
-                                              "return_token_ids": None, "temperature": 1000})
+                                              "return_token_ids": None, "temperature": 1000,
+                                              "stream_options": {"include_usage": None}})
   nulls.check()
-  assert not (nulls.stream or nulls.echo or nulls.ignore_eos or nulls.return_token_ids)
+  assert not (nulls.stream or nulls.echo or nulls.ignore_eos or nulls.return_token_ids or nulls.include_usage)
 
 
 def _parse(model, body):
