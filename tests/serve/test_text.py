@@ -401,10 +401,12 @@ def test_valid_bodies_parse():
   assert completion.single_prompt == [1, 2, 3]
   # null for the boolean flags (clients may send unset fields so) means false.
   nulls = _parse(protocol.CompletionRequest, {"prompt": "x", "stream": None, "echo": None, "ignore_eos": None,
-                                              "return_token_ids": None, "temperature": 1000,
-                                              "stream_options": {"include_usage": None}})
+                                              "return_token_ids": None, "temperature": 1000})
   nulls.check()
-  assert not (nulls.stream or nulls.echo or nulls.ignore_eos or nulls.return_token_ids or nulls.include_usage)
+  assert not (nulls.stream or nulls.echo or nulls.ignore_eos or nulls.return_token_ids)
+  usage_null = _parse(protocol.CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": None}})
+  usage_null.check()
+  assert usage_null.stream and not usage_null.include_usage
 
 
 def _parse(model, body):
