@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python3 benchmarks/bench_serve.py --out benchmarks/results        # on the H200
 
-For each spec a server is started in this process (``serve.launch.ServerThread``: the same app and
-engine loop as ``python -m ddtree_jax.serve``) and warmed up; then, at each concurrency, that many
+For each spec the server is started as operators start it, ``python -m ddtree_jax.serve`` in its own
+process (so the load generator's Python work does not share the server's interpreter lock), and
+is ready once its warm-up has compiled every step; then, at each concurrency, that many
 clients stream completions of held-out prompts (greedy, fixed ``max_tokens``, EOS ignored so both
 specs generate the same number of tokens) over loopback HTTP. Reported per cell: output tokens/s,
 time to first token (TTFT) and inter-token latency (ITL: (last - first token time) / (tokens - 1)
@@ -15,19 +16,26 @@ bench_serve).
 
 import argparse
 import asyncio
+import contextlib
+import importlib.metadata
 import json
 import re
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import jax
 import numpy as np
 
 from models import loading
-from serve.config import KERNEL_IMPLS, ServeConfig
-from serve.launch import ServerThread
+from serve.config import KERNEL_IMPLS
+
+REPO = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 900
 
 
 def held_out_prompts(count: int, max_prompt: int) -> list[list[int]]:
@@ -83,6 +91,52 @@ async def run_level(url: str, prompts, concurrency: int, max_tokens: int) -> dic
           **{f"{key}_p{q}_ms": 1e3 * pct(key, q) for key in ("ttft", "itl", "latency") for q in (50, 90, 99)}}
 
 
+def device_name() -> str:
+  """The GPU's name as nvidia-smi gives it (jax's device_kind alike), without starting a jax backend
+  here: that would claim most of the GPU's memory beside the server's."""
+  if shutil.which("nvidia-smi"):
+    found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, check=False).stdout.strip().splitlines()
+    if found:
+      return found[0]
+  return "cpu"
+
+
+@contextlib.contextmanager
+def server_process(args, spec: str, max_batch: int):
+  """``python -m ddtree_jax.serve`` for ``spec`` on a free port; yields (url, seconds until ready)."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", spec, "--port", str(port), "--host", "127.0.0.1",
+         "--budget", args.budget, "--max-batch", str(max_batch), "--max-context", str(args.max_prompt + args.max_tokens),
+         "--dtype", args.dtype, "--max-queue", "1024", "--attention-impl", args.attention_impl,
+         "--moe-impl", args.moe_impl, "--log-level", "warning"]
+  url = f"http://127.0.0.1:{port}"
+  with tempfile.TemporaryFile("w+") as log:
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+      while True:
+        if proc.poll() is not None or time.perf_counter() - start > READY_TIMEOUT_S:
+          log.seek(0)
+          tail = log.read()[-4000:]
+          raise RuntimeError(f"the {spec} server {'exited' if proc.returncode is not None else 'was not ready'}: "
+                             f"{' '.join(cmd)}\n{tail}")
+        with contextlib.suppress(httpx.TransportError):
+          if httpx.get(url + "/health", timeout=5).status_code == 200:
+            break
+        time.sleep(0.5)
+      yield url, time.perf_counter() - start
+    finally:
+      proc.terminate()
+      try:
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def scrape(url: str, name: str) -> float:
   found = re.search(re.escape(name) + r" ([0-9.e+-]+)$", httpx.get(url + "/metrics").text, re.M)
   return float(found.group(1)) if found else 0.0
@@ -104,25 +158,20 @@ def main(argv=None) -> int:
   levels = [int(c) for c in args.concurrency.split(",")]
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  device = jax.devices()[0].device_kind
+  device = device_name()
   rows = []
   for spec in ("none", "ddtree"):
-    config = ServeConfig(port=0, spec=spec, budget=args.budget, max_batch=max(levels),
-                         max_context=args.max_prompt + args.max_tokens, dtype=args.dtype, max_queue=1024,
-                         attention_impl=args.attention_impl, moe_impl=args.moe_impl)
-    t0 = time.perf_counter()
-    with ServerThread(config) as server:
-      warm = time.perf_counter() - t0
+    with server_process(args, spec, max(levels)) as (url, warm):
       print(f"{spec}: ready in {warm:.1f} s on {device}", flush=True)
-      asyncio.run(run_level(server.url, held_out_prompts(4, args.max_prompt), 4, 16))  # first-use warm-up
+      asyncio.run(run_level(url, held_out_prompts(4, args.max_prompt), 4, min(16, args.max_tokens)))  # first use
       for level in levels:
         prompts = held_out_prompts(max(16, level * args.requests_per_client), args.max_prompt)
-        acc = (scrape(server.url, "ddtree_acceptance_length_sum"), scrape(server.url, "ddtree_acceptance_length_count"))
-        row = asyncio.run(run_level(server.url, prompts, level, args.max_tokens))
-        acc_sum = scrape(server.url, "ddtree_acceptance_length_sum") - acc[0]
-        acc_count = scrape(server.url, "ddtree_acceptance_length_count") - acc[1]
+        acc = (scrape(url, "ddtree_acceptance_length_sum"), scrape(url, "ddtree_acceptance_length_count"))
+        row = asyncio.run(run_level(url, prompts, level, args.max_tokens))
+        acc_sum = scrape(url, "ddtree_acceptance_length_sum") - acc[0]
+        acc_count = scrape(url, "ddtree_acceptance_length_count") - acc[1]
         row.update(spec=spec, tau=acc_sum / acc_count if acc_count else float("nan"), warmup_s=warm,
-                   compiles_after_warmup=scrape(server.url, "ddtree_compiles_after_warmup_total"))
+                   compiles_after_warmup=scrape(url, "ddtree_compiles_after_warmup_total"))
         rows.append(row)
         print(f"  c={level:3d}: {row['tokens_per_s']:8.0f} tok/s, TTFT p50 {row['ttft_p50_ms']:7.1f} ms, "
               f"ITL p50 {row['itl_p50_ms']:6.2f} ms, tau {row['tau']:.2f}", flush=True)
@@ -130,14 +179,15 @@ def main(argv=None) -> int:
     if row["spec"] == "ddtree":
       base = next(r for r in rows if r["spec"] == "none" and r["concurrency"] == row["concurrency"])
       row["speedup_tokens_per_s"] = row["tokens_per_s"] / base["tokens_per_s"]
-  meta = {"device": device, "jax": jax.__version__, "max_tokens": args.max_tokens, "max_prompt": args.max_prompt,
+  meta = {"device": device, "jax": importlib.metadata.version("jax"), "server": "separate process", "max_tokens": args.max_tokens, "max_prompt": args.max_prompt,
           "budget_table": args.budget, "dtype": args.dtype, "model": "kimi-demo + kimi-demo-dflash",
           "attention_impl": args.attention_impl, "moe_impl": args.moe_impl,
           "command": "PYTHONPATH=. python3 benchmarks/bench_serve.py " + " ".join(sys.argv[1:] if argv is None else argv)}
   (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
   lines = [f"# Serving benchmark ({device}, {meta['model']}, dtype {args.dtype})", "",
            f"Greedy, {args.max_tokens} new tokens per request (EOS ignored), prompts up to {args.max_prompt} "
-           f"tokens, streaming over loopback HTTP; ddtree budget table `{args.budget}`; the target's attention "
+           f"tokens, streaming over loopback HTTP from a client process to `python -m ddtree_jax.serve`; "
+           f"ddtree budget table `{args.budget}`; the target's attention "
            f"`{args.attention_impl}`, routed experts `{args.moe_impl}`. Command: "
            f"`{meta['command']}`.", "",
            "| spec | clients | requests | tok/s | speedup | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | "
