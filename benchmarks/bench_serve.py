@@ -16,15 +16,12 @@ bench_serve).
 
 import argparse
 import asyncio
-import contextlib
 import importlib.metadata
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,8 +30,8 @@ import numpy as np
 
 from models import loading
 from serve.config import KERNEL_IMPLS
+from serve.launch import server_process
 
-REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 900
 
 
@@ -102,39 +99,10 @@ def device_name() -> str:
   return "cpu"
 
 
-@contextlib.contextmanager
-def server_process(args, spec: str, max_batch: int):
-  """``python -m ddtree_jax.serve`` for ``spec`` on a free port; yields (url, seconds until ready)."""
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", spec, "--port", str(port), "--host", "127.0.0.1",
-         "--budget", args.budget, "--max-batch", str(max_batch), "--max-context", str(args.max_prompt + args.max_tokens),
-         "--dtype", args.dtype, "--max-queue", "1024", "--attention-impl", args.attention_impl,
-         "--moe-impl", args.moe_impl, "--log-level", "warning"]
-  url = f"http://127.0.0.1:{port}"
-  with tempfile.TemporaryFile("w+") as log:
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-      while True:
-        if proc.poll() is not None or time.perf_counter() - start > READY_TIMEOUT_S:
-          log.seek(0)
-          tail = log.read()[-4000:]
-          raise RuntimeError(f"the {spec} server {'exited' if proc.returncode is not None else 'was not ready'}: "
-                             f"{' '.join(cmd)}\n{tail}")
-        with contextlib.suppress(httpx.TransportError):
-          if httpx.get(url + "/health", timeout=5).status_code == 200:
-            break
-        time.sleep(0.5)
-      yield url, time.perf_counter() - start
-    finally:
-      proc.terminate()
-      try:
-        proc.wait(30)
-      except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def server_cli_args(args, spec: str, max_batch: int) -> list[str]:
+  return ["--spec", spec, "--budget", args.budget, "--max-batch", str(max_batch),
+          "--max-context", str(args.max_prompt + args.max_tokens), "--dtype", args.dtype, "--max-queue", "1024",
+          "--attention-impl", args.attention_impl, "--moe-impl", args.moe_impl, "--log-level", "warning"]
 
 
 def scrape(url: str, name: str) -> float:
@@ -161,7 +129,9 @@ def main(argv=None) -> int:
   device = device_name()
   rows = []
   for spec in ("none", "ddtree"):
-    with server_process(args, spec, max(levels)) as (url, warm):
+    start = time.perf_counter()
+    with server_process(server_cli_args(args, spec, max(levels)), ready_timeout=READY_TIMEOUT_S) as url:
+      warm = time.perf_counter() - start
       print(f"{spec}: ready in {warm:.1f} s on {device}", flush=True)
       asyncio.run(run_level(url, held_out_prompts(4, args.max_prompt), 4, min(16, args.max_tokens)))  # first use
       for level in levels:

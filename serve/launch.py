@@ -1,9 +1,19 @@
-"""Starting a server: warm-up in the background, uvicorn in front (from the CLI or in a thread)."""
+"""Starting a server: warm-up in the background, uvicorn in front (from the CLI, in a thread, or as
+a child process)."""
 
+import contextlib
+import json
 import logging
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -128,6 +138,59 @@ class ServerThread:
 
   def __exit__(self, *exc):
     self.close()
+
+
+@contextlib.contextmanager
+def server_process(cli_args: Sequence[str], *, ready_timeout: float = 900.0, health_seen: list | None = None):
+  """``python -m ddtree_jax.serve`` with ``cli_args`` in a child process on a free loopback port,
+  as an operator runs it (benchmarks, whose load generator should not share the server's
+  interpreter lock, and the CLI's tests). Yields its URL once ``/health`` answers 200; appends each
+  answer's (status code, status) to ``health_seen``. Raises RuntimeError with the server's output
+  if it exits or is not ready in ``ready_timeout`` seconds. Stops it on leaving."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  cmd = [sys.executable, "-m", "ddtree_jax.serve", *cli_args, "--host", "127.0.0.1", "--port", str(port)]
+  url = f"http://127.0.0.1:{port}"
+  with tempfile.TemporaryFile("w+") as output:
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=output, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+      while True:
+        if proc.poll() is not None or time.monotonic() - start > ready_timeout:
+          output.seek(0)
+          state = f"exited with {proc.returncode}" if proc.returncode is not None else f"not ready in {ready_timeout:g} s"
+          raise RuntimeError(f"the server {state}: {' '.join(cmd)}\n{output.read()[-4000:]}")
+        code, status = _health(url)
+        if code is not None and health_seen is not None:
+          health_seen.append((code, status))
+        if code == 200:
+          break
+        time.sleep(0.25)
+      yield url
+    finally:
+      proc.terminate()
+      try:
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _health(url: str) -> tuple[int | None, str | None]:
+  """(status code, the body's status) of ``GET /health``; (None, None) while nothing listens."""
+  try:
+    with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+      code, body = reply.status, reply.read()
+  except urllib.error.HTTPError as err:
+    code, body = err.code, err.read()
+  except (urllib.error.URLError, ConnectionError, TimeoutError):
+    return None, None
+  try:
+    return code, json.loads(body).get("status")
+  except (ValueError, AttributeError):
+    return code, None
 
 
 def serve_forever(config: ServeConfig) -> int:

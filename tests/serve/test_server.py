@@ -12,8 +12,6 @@ import os
 import random
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,56 +28,26 @@ from models import forward as fwd
 from models import loading
 from serve.config import ServeConfig
 from serve.engine_loop import FaultInjector
-from serve.launch import ServerThread
+from serve.launch import ServerThread, server_process
 
 MAX_CONTEXT = 192
 # Three batch buckets (not the default five): the budget table's sizes, fewer step shapes to compile.
 COMMON = dict(max_batch=16, batch_buckets="1,4,16", max_context=MAX_CONTEXT, dtype="float32", max_queue=64)
 SPEC = ServeConfig(port=0, spec="ddtree", budget="1:16,4:8,16:4", **COMMON)
 SOAK_REQUESTS = int(os.environ.get("DDTREE_SOAK_REQUESTS", "160"))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def plain_server():
   """``python -m ddtree_jax.serve --spec none`` in a subprocess. Its batch is 4 (``--batch-buckets
   1,4``: the largest bucket sets ``--max-batch``), so the tests' 16 concurrent clients also queue
-  there. It computes no log-probabilities (``--max-logprobs -1``)."""
-  port = free_port()
-  cmd = [sys.executable, "-m", "ddtree_jax.serve", "--spec", "none", "--port", str(port), "--batch-buckets", "1,4",
-         "--max-context", str(MAX_CONTEXT), "--dtype", "float32", "--max-logprobs", "-1",
-         "--log-level", "warning"]
-  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  url = f"http://127.0.0.1:{port}"
+  there. It computes no log-probabilities (``--max-logprobs -1``). Yields (url, the /health answers
+  seen while it started)."""
   statuses = []
-  try:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-      if proc.poll() is not None:
-        pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
-      try:
-        r = httpx.get(url + "/health", timeout=5)
-        statuses.append((r.status_code, r.json()["status"]))
-        if r.status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.25)
-    else:
-      pytest.fail("the --spec none server did not become ready in 600 s")
+  args = ["--spec", "none", "--batch-buckets", "1,4", "--max-context", str(MAX_CONTEXT), "--dtype", "float32",
+          "--max-logprobs", "-1", "--log-level", "warning"]
+  with server_process(args, ready_timeout=600, health_seen=statuses) as url:
     yield url, statuses
-  finally:
-    proc.terminate()
-    try:
-      proc.wait(30)
-    except subprocess.TimeoutExpired:
-      proc.kill()
 
 
 @pytest.fixture(scope="module")
