@@ -36,7 +36,12 @@ class Drafter(Protocol):
   def reset(self, params, state, slot, prompt) -> Any:
     """Empties ``slot`` for a new request. Called eagerly at admission, before the prompt's
     ``extend`` calls, with ``slot`` a numpy int32[1] and ``prompt`` the request's numpy token ids;
-    it must not compile on repeated calls (the engine promises no compilation after warm-up)."""
+    it must not compile on repeated calls (the engine promises no compilation after warm-up).
+
+    A drafter whose reset needs neither the parameters nor the prompt may instead define
+    ``reset_slot(state, slot) -> state``, a pure jax function; the engine then compiles it ahead of
+    time and calls it in place of ``reset``, so that admission never waits for the steps in flight
+    (a ``reset`` that reads the state back to the host waits for all of them)."""
 
   def extend(self, params, state, slots, tokens, positions, features, num_new) -> Any:
     """Appends committed tokens to each slot's context.

@@ -557,6 +557,8 @@ class SpeculativeDecoder:
           self._build(("regather", bucket, other), regather_rows, (), self._decode_spec(bucket),
                       self._rows(other, jnp.int32), self._rows(other, jnp.bool_))
     self._build("reset_lengths", cache_lib.reset_slots, (0,), self.target_cache, one(jnp.int32))
+    if hasattr(self.drafter, "reset_slot"):
+      self._build("drafter_reset", self.drafter.reset_slot, (0,), self.drafter_state, one(jnp.int32))
     self._build("fresh_caches", lambda: (cache_lib.init_cache(self.cfg, self.num_slots, self.target_pool_len),
                                          self.drafter.init_state(self.num_slots, self.max_len)), ())
     self.compile_seconds += time.perf_counter() - t0
@@ -657,7 +659,10 @@ class SpeculativeDecoder:
                     prompt_logprobs):
     slot_dev = np.asarray([slot], np.int32)
     self.target_cache = self._aux["reset_lengths"](self.target_cache, slot_dev)
-    self.drafter_state = self.drafter.reset(self.drafter_params, self.drafter_state, slot_dev, prompt)
+    if "drafter_reset" in self._aux:
+      self.drafter_state = self._aux["drafter_reset"](self.drafter_state, slot_dev)
+    else:
+      self.drafter_state = self.drafter.reset(self.drafter_params, self.drafter_state, slot_dev, prompt)
     chunk = self.prefill_chunk
     logits = None
     prompt_chunks = []
@@ -924,7 +929,11 @@ class Batch:
     if self._last_ready is None:
       self._last_ready = host_t0
     if self._device_inputs is None:
-      self._device_inputs = jax.device_put((self.slots, self.sampling, self.stop_tokens, self.stop_valid))
+      # Copies: on the CPU device_put may alias an aligned numpy buffer instead of copying it, and
+      # admit/_leave edit these arrays in place while this step can still be queued (a cancelled
+      # row would then run against the slot written after it, e.g. the scratch slot).
+      self._device_inputs = jax.device_put(jax.tree.map(np.copy, (self.slots, self.sampling, self.stop_tokens,
+                                                                  self.stop_valid)))
     d = self.decoder
     step = d._aux.get(("step", self.bucket, budget))  # pylint: disable=protected-access
     if step is None:

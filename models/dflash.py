@@ -881,13 +881,17 @@ class DFlashDrafter:
   def init_state(self, num_slots: int, max_len: int) -> DFlashCache:
     return init_cache(self.cfg, num_slots, max_len)
 
+  @staticmethod
+  def reset_slot(state: DFlashCache, slot) -> DFlashCache:
+    """Empties ``slot`` (int32[1]): its length to 0 (stale K/V rows lie past it). The engine
+    compiles this ahead of time and runs it on the device, so an admission neither compiles nor
+    waits for the steps in flight (a host round trip of ``lengths`` waited for all of them)."""
+    return dataclasses.replace(state, lengths=state.lengths.at[slot].set(0))
+
   def reset(self, params, state: DFlashCache, slot, prompt) -> DFlashCache:
-    """Empties ``slot`` (int32[1]) through a host round trip of ``lengths`` alone: admission then
-    runs no device op that could compile. Stale K/V rows stay; they are past the length."""
+    """``reset_slot`` for callers of the plain protocol (op by op: one small compilation, once)."""
     del params, prompt
-    lengths = np.array(state.lengths)
-    lengths[np.asarray(slot)] = 0
-    return dataclasses.replace(state, lengths=jax.device_put(lengths, state.lengths.sharding))
+    return self.reset_slot(state, jnp.asarray(slot, jnp.int32))
 
   def extend(self, params: DFlashParams, state, slots, tokens, positions, features, num_new):
     del tokens  # the context is the target's features; the tokens entered through the target

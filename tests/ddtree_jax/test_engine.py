@@ -367,6 +367,42 @@ def test_each_step_output_is_one_array_whose_copy_starts_at_dispatch(model, prom
   assert [c[1:] for c in started if c[0] == "admit"] == [((1, 2), np.dtype(np.int32))] * len(prompts)
 
 
+def _aligned(array):
+  """``array``'s values in a 64-byte-aligned buffer: jax on the CPU may then share it instead of copying."""
+  buffer = np.zeros(array.nbytes + 64, np.uint8)
+  offset = (-buffer.ctypes.data) % 64
+  out = buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+  out[...] = array
+  return out
+
+
+def test_a_dispatched_step_keeps_its_inputs_when_the_batch_changes(model, prompts, reference):
+  """``admit`` and ``_leave`` (cancel, finish) edit the batch's host arrays in place while a step may
+  still be queued; the step must keep what it was dispatched with, not alias those arrays."""
+  dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 3)  # the statistics test's
+  batch = engine.Batch(dec, 3)
+  requests = [dec.request(p, 8, stop_token_ids=[]) for p in prompts[:2]]
+  for request in requests:
+    batch.admit(request)
+  batch.slots, batch.stop_tokens, batch.stop_valid = map(_aligned, (batch.slots, batch.stop_tokens, batch.stop_valid))
+  batch.sampling = jax.tree.map(_aligned, batch.sampling)
+  batch._device_inputs = None  # pylint: disable=protected-access
+  handle = batch.dispatch(8)
+  dispatched = batch._device_inputs  # pylint: disable=protected-access  # what the queued step reads
+  sent = jax.tree.map(np.array, dispatched)
+  assert sent[0][0] == requests[0].slot != dec.pool.scratch_slot
+  batch.cancel(requests[0])  # slots[0] becomes the scratch slot, in place
+  batch.sampling.temperature[...] = 7.0
+  batch.stop_tokens[...] = 5
+  batch.stop_valid[...] = True
+  assert batch.slots[0] == dec.pool.scratch_slot  # the host arrays did change
+  for was, now in zip(jax.tree.leaves(sent), jax.tree.leaves(jax.tree.map(np.array, dispatched))):
+    np.testing.assert_array_equal(now, was)
+  batch.collect(handle)
+  for request in batch.running():
+    batch.cancel(request)
+
+
 def test_more_requests_than_rows_join_as_others_leave(model, prompts, reference):
   """Continuous batching: 3 requests through a bucket of 2 rows, with different lengths."""
   dec = decoder(model, make_drafter("noisy", prompts, reference[0]), "ddtree", (8,), 2)

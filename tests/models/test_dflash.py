@@ -314,8 +314,11 @@ def test_loss_gamma_defaults():
 # ---------------------------------------------------------------------------------------------
 # Engine
 # ---------------------------------------------------------------------------------------------
-def test_dflash_drafter_in_engine_is_lossless_and_admission_never_compiles(target, drafter_model):
+def test_dflash_drafter_in_engine_is_lossless_and_admission_never_compiles(target, drafter_model, monkeypatch):
   drafter = dflash.DFlashDrafter(CFG)
+  # Admission empties the slot with the compiled ``reset_slot`` on the device, never through the
+  # host protocol's ``reset`` (which would wait for every step in flight).
+  monkeypatch.setattr(dflash.DFlashDrafter, "reset", lambda *args: pytest.fail("admission called reset"))
   assert hash(drafter) == hash(dflash.DFlashDrafter(CFG)) and drafter.num_positions == 15
   max_len, max_new = 96, 20
   with pytest.raises(engine.EngineError, match="drafter_params: DFlashDrafter needs drafter_params = "
