@@ -121,6 +121,9 @@ class ShardReader:
       value = self._open[file_name].get_tensor(name)
     except (SafetensorError, OSError) as err:
       raise CheckpointError(f"{self.directory / file_name}: cannot read tensor {name!r} ({err})") from None
+    except (AttributeError, TypeError) as err:  # safetensors' numpy reader on a dtype numpy lacks (FP8)
+      raise CheckpointError(f"{self.directory / file_name}: cannot read tensor {name!r}: its dtype has no numpy "
+                            f"equivalent ({type(err).__name__}: {err}); FP8 checkpoints are not supported") from None
     return value
 
 

@@ -151,7 +151,7 @@ class KimiTiktokenTokenizer:
       the reserved block is ``<|reserved_token_{id}|>``.
   """
 
-  def __init__(self, ranks_path, special_names: dict[int, str] | None = None):
+  def __init__(self, ranks_path, special_names: dict[int, str] | None = None, text_ids=()):
     import tiktoken  # pylint: disable=import-outside-toplevel
     ranks = read_ranks(ranks_path)
     num_base = len(ranks)
@@ -178,6 +178,9 @@ class KimiTiktokenTokenizer:
     self._special_re = re.compile("|".join(map(re.escape, sorted(self.special_ids, key=len, reverse=True))))
     self._num_base = num_base
     self._ranks = ranks
+    # Reserved ids that tokenizer_config.json marks "special": false (e.g. a reasoning model's
+    # <think> markers): text, as the tokenizer.json backend's skip_special_tokens keeps them.
+    self._text_ids = frozenset(int(i) for i in text_ids)
     self.encoding = tiktoken.Encoding(name=Path(ranks_path).name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                       special_tokens=self.special_ids)
     self.vocab_size = self.encoding.n_vocab
@@ -199,8 +202,9 @@ class KimiTiktokenTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     # tiktoken decodes bytes with errors="replace": an incomplete UTF-8 tail shows as U+FFFD, which
     # the stream holds back until its last byte arrives, as with tokenizers. Special ids and ids
-    # past the tokenizer (a model vocabulary padded beyond it) have no text.
-    return self.encoding.decode([int(i) for i in ids if 0 <= int(i) < self._num_base])
+    # past the tokenizer (a model vocabulary padded beyond it) have no text; reserved ids marked
+    # not special decode to their names.
+    return self.encoding.decode([i for i in map(int, ids) if 0 <= i < self._num_base or i in self._text_ids])
 
   decode_long = decode  # tiktoken's decode already releases the GIL
 
@@ -272,14 +276,16 @@ def load(directory) -> HFTokenizer | KimiTiktokenTokenizer:
     raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: a tiktoken.model checkpoint needs "
                              "added_tokens_decoder (the names of its special ids), got "
                              f"{'nothing' if decoder is None else repr(decoder)[:80]}")
-  names = {}
+  names, text_ids = {}, []
   for key, token in decoder.items():
     content = token.get("content") if isinstance(token, dict) else token
     if not (isinstance(key, str) and key.isdigit() and isinstance(content, str)):
       raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: added_tokens_decoder entry {key!r}: "
                                "expected an id and a {'content': name} dict")
     names[int(key)] = content
-  return KimiTiktokenTokenizer(directory / "tiktoken.model", names)
+    if isinstance(token, dict) and token.get("special", True) is False:
+      text_ids.append(int(key))
+  return KimiTiktokenTokenizer(directory / "tiktoken.model", names, text_ids)
 
 
 def read_tokenizer_config(directory) -> dict:

@@ -2,6 +2,7 @@
 no model is built from part of a checkpoint (tiny target, float32 safetensors written here, CPU)."""
 
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -52,6 +53,14 @@ def test_what_a_checkpoint_may_carry_unused(tmp_path, tensors):
   assert loading.load_kimi(tmp_path / "multimodal").cfg.num_hidden_layers == CFG.num_hidden_layers
 
 
+def _write_fp8_safetensors(path, name):
+  """A one-tensor safetensors file of dtype F8_E4M3 (the header by hand: numpy cannot write it)."""
+  data = bytes([0x38, 0xc0])  # 1.0 and -2.0 in e4m3
+  header = json.dumps({name: {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, len(data)]}}).encode()
+  header += b" " * (-len(header) % 8)
+  path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
 def test_unreadable_files_are_named(tmp_path, tensors):
   write(tmp_path, tensors, CFG.to_hf())
   shards = sorted(tmp_path.glob("model-*.safetensors"))
@@ -69,6 +78,9 @@ def test_unreadable_files_are_named(tmp_path, tensors):
   index_path.write_text(json.dumps(index))
   with pytest.raises(loading.CheckpointError, match=f"cannot read tensor '{name}'"):
     loading.load_kimi(tmp_path)
+  _write_fp8_safetensors(tmp_path / "fp8.safetensors", "x")  # as torch writes one; numpy has no such dtype
+  with pytest.raises(loading.CheckpointError, match="fp8.safetensors: cannot read tensor 'x': its dtype has no numpy"):
+    loading.ShardReader(tmp_path, prefix="fp8")("x")
   index_path.write_text("{\"weight_map\": ")
   with pytest.raises(loading.CheckpointError, match="model.safetensors.index.json: not valid JSON"):
     loading.load_kimi(tmp_path)

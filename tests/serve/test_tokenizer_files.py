@@ -44,13 +44,14 @@ def ranks() -> dict[bytes, int]:
   return out
 
 
-def write_kimi_tokenizer(directory, ranks, *, template=None, special=SPECIAL):
+def write_kimi_tokenizer(directory, ranks, *, template=None, special=SPECIAL, not_special=()):
   directory.mkdir(exist_ok=True)
   lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
   (directory / "tiktoken.model").write_text("\n".join(lines) + "\n")
   base = len(ranks)
   config = {"tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"},
-            "added_tokens_decoder": {str(base + i): {"content": name, "special": True} for i, name in special.items()}}
+            "added_tokens_decoder": {str(base + i): {"content": name, "special": i not in not_special}
+                                     for i, name in special.items()}}
   (directory / "tokenizer_config.json").write_text(json.dumps(config))
   if template is not None:
     (directory / "chat_template.jinja").write_text(template)
@@ -99,6 +100,17 @@ def test_tiktoken_checkpoint_reads_as_kimis_tokenizer(kimi_dir, ranks, reference
   assert tok.decode(parsed) == "userhi"  # special ids are left out of text
   assert tok.decode_long(parsed) == "userhi"
   assert tok.decode([*tok.encode("ok"), base + 256, base + 999]) == "ok"  # past the tokenizer: no text
+
+
+def test_reserved_ids_marked_not_special_decode_to_their_text(tmp_path, ranks):
+  """``"special": false`` in added_tokens_decoder (a reasoning model's <think> markers) keeps the
+  token's text in decoded output, as the tokenizer.json backend's skip_special_tokens does."""
+  markers = {**SPECIAL, 10: "<think>", 11: "</think>"}
+  tok = tokenizer_files.load(write_kimi_tokenizer(tmp_path / "think", ranks, special=markers, not_special=(10, 11)))
+  base = len(ranks)
+  ids = [base + 10, *tok.encode("reasoning"), base + 11, *tok.encode("answer"), base + 1]
+  assert tok.decode(ids) == "<think>reasoning</think>answer"  # [EOS] (special) still has no text
+  assert tok.encode_parsing_special("<think>x</think>") == [base + 10, *tok.encode("x"), base + 11]
 
 
 def test_long_runs_are_cut_as_kimi_cuts_them(kimi_dir):
