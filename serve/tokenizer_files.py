@@ -149,6 +149,8 @@ class KimiTiktokenTokenizer:
     ranks_path: the ``tiktoken.model`` file (one ``base64(token bytes) rank`` line per token).
     special_names: {id: name} of special ids to name (``added_tokens_decoder``); every other id of
       the reserved block is ``<|reserved_token_{id}|>``.
+    text_ids: named ids that ``added_tokens_decoder`` marks ``"special": false``; ``decode`` gives
+      their names as text, where it leaves special ids out.
   """
 
   def __init__(self, ranks_path, special_names: dict[int, str] | None = None, text_ids=()):
