@@ -149,8 +149,10 @@ class KimiTiktokenTokenizer:
     ranks_path: the ``tiktoken.model`` file (one ``base64(token bytes) rank`` line per token).
     special_names: {id: name} of special ids to name (``added_tokens_decoder``); every other id of
       the reserved block is ``<|reserved_token_{id}|>``.
-    text_ids: named ids that ``added_tokens_decoder`` marks ``"special": false``; ``decode`` gives
-      their names as text, where it leaves special ids out.
+    text_ids: named ids that ``added_tokens_decoder`` marks ``"special": false`` (e.g. a reasoning
+      model's ``<think>``): as the ``tokenizer.json`` backend treats such added tokens, ``decode``
+      gives their names as text (it leaves special ids out), and ``encode`` reads their spellings
+      as their ids even in literal text (they cannot be turn markers: ``load`` never lists those).
   """
 
   def __init__(self, ranks_path, special_names: dict[int, str] | None = None, text_ids=()):
@@ -180,15 +182,25 @@ class KimiTiktokenTokenizer:
     self._special_re = re.compile("|".join(map(re.escape, sorted(self.special_ids, key=len, reverse=True))))
     self._num_base = num_base
     self._ranks = ranks
-    # Reserved ids that tokenizer_config.json marks "special": false (e.g. a reasoning model's
-    # <think> markers): text, as the tokenizer.json backend's skip_special_tokens keeps them.
     self._text_ids = frozenset(int(i) for i in text_ids)
+    text_names = sorted((self._special_names[i] for i in self._text_ids), key=len, reverse=True)
+    self._text_re = re.compile("|".join(map(re.escape, text_names))) if text_names else None
     self.encoding = tiktoken.Encoding(name=Path(ranks_path).name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                       special_tokens=self.special_ids)
     self.vocab_size = self.encoding.n_vocab
-    self.special_spellings = tuple(self.special_ids)
+    self.special_spellings = tuple(name for name, i in self.special_ids.items() if i not in self._text_ids)
 
   def encode(self, text: str) -> list[int]:
+    if self._text_re is None:
+      return self._encode_literal(text)
+    ids, start = [], 0
+    for match in self._text_re.finditer(text):
+      ids += self._encode_literal(text[start:match.start()])
+      ids.append(self.special_ids[match.group()])
+      start = match.end()
+    return ids + self._encode_literal(text[start:])
+
+  def _encode_literal(self, text: str) -> list[int]:
     return [i for piece in _pieces(text) for i in self.encoding.encode(piece, disallowed_special=())]
 
   def encode_parsing_special(self, text: str) -> list[int]:
@@ -196,10 +208,10 @@ class KimiTiktokenTokenizer:
     # must never fall inside a marker (tokenizers split on added tokens first too).
     ids, start = [], 0
     for match in self._special_re.finditer(text):
-      ids += self.encode(text[start:match.start()])
+      ids += self._encode_literal(text[start:match.start()])
       ids.append(self.special_ids[match.group()])
       start = match.end()
-    return ids + self.encode(text[start:])
+    return ids + self._encode_literal(text[start:])
 
   def decode(self, ids: Sequence[int]) -> str:
     # tiktoken decodes bytes with errors="replace": an incomplete UTF-8 tail shows as U+FFFD, which
@@ -279,14 +291,15 @@ def load(directory) -> HFTokenizer | KimiTiktokenTokenizer:
                              "added_tokens_decoder (the names of its special ids), got "
                              f"{'nothing' if decoder is None else repr(decoder)[:80]}")
   names, text_ids = {}, []
+  control = set(CHAT_MARKERS) | set(named_special_tokens(config).values())
   for key, token in decoder.items():
     content = token.get("content") if isinstance(token, dict) else token
     if not (isinstance(key, str) and key.isdigit() and isinstance(content, str)):
       raise TokenizerFileError(f"{directory / 'tokenizer_config.json'}: added_tokens_decoder entry {key!r}: "
                                "expected an id and a {'content': name} dict")
     names[int(key)] = content
-    if isinstance(token, dict) and token.get("special", True) is False:
-      text_ids.append(int(key))
+    if isinstance(token, dict) and token.get("special", True) is False and content not in control:
+      text_ids.append(int(key))  # a turn marker or a named control token stays special whatever it says
   return KimiTiktokenTokenizer(directory / "tiktoken.model", names, text_ids)
 
 

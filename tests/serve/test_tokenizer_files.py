@@ -102,15 +102,21 @@ def test_tiktoken_checkpoint_reads_as_kimis_tokenizer(kimi_dir, ranks, reference
   assert tok.decode([*tok.encode("ok"), base + 256, base + 999]) == "ok"  # past the tokenizer: no text
 
 
-def test_reserved_ids_marked_not_special_decode_to_their_text(tmp_path, ranks):
-  """``"special": false`` in added_tokens_decoder (a reasoning model's <think> markers) keeps the
-  token's text in decoded output, as the tokenizer.json backend's skip_special_tokens does."""
+def test_reserved_ids_marked_not_special_are_text_as_tokenizers_treats_them(tmp_path, ranks):
+  """``"special": false`` in added_tokens_decoder (a reasoning model's <think> markers): as the
+  tokenizer.json backend treats such added tokens, decoded text keeps them and literal text reads
+  them as their ids (a model's own reasoning in a chat history encodes as it was trained); a turn
+  marker or the EOS stays special whatever its entry says."""
   markers = {**SPECIAL, 10: "<think>", 11: "</think>"}
-  tok = tokenizer_files.load(write_kimi_tokenizer(tmp_path / "think", ranks, special=markers, not_special=(10, 11)))
+  tok = tokenizer_files.load(write_kimi_tokenizer(tmp_path / "think", ranks, special=markers,
+                                                  not_special=(10, 11, 1, 2)))  # also [EOS], <|im_end|>
   base = len(ranks)
-  ids = [base + 10, *tok.encode("reasoning"), base + 11, *tok.encode("answer"), base + 1]
-  assert tok.decode(ids) == "<think>reasoning</think>answer"  # [EOS] (special) still has no text
-  assert tok.encode_parsing_special("<think>x</think>") == [base + 10, *tok.encode("x"), base + 11]
+  literal = tok.encode("<think>reasoning</think>answer[EOS]<|im_end|>")
+  assert literal == [base + 10, *tok.encode("reasoning"), base + 11, *tok.encode("answer[EOS]<|im_end|>")]
+  assert all(i < base for i in tok.encode("answer[EOS]<|im_end|>"))  # the control tokens stay text here
+  assert tok.decode(literal + [base + 1]) == "<think>reasoning</think>answer[EOS]<|im_end|>"  # an EOS id: no text
+  assert tok.encode_parsing_special("<think>x</think>[EOS]") == [base + 10, *tok.encode("x"), base + 11, base + 1]
+  assert "<think>" not in tok.special_spellings and {"[EOS]", "<|im_end|>"} <= set(tok.special_spellings)
 
 
 def test_long_runs_are_cut_as_kimi_cuts_them(kimi_dir):
