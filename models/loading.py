@@ -30,9 +30,24 @@ def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], out_dir, *, dtype: 
   Float tensors are stored in ``dtype``; the router's correction bias stays float32 and INT4
   experts' ``weight_scale`` bf16 (as released).
   Returns the shard file names (an index json maps every tensor to its shard).
+
+  Over an earlier export the old index and its shards are removed first and the new index is
+  written last, so an interrupted export leaves a directory that is refused on load (no index),
+  never the old index over a mix of old and new shards.
   """
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
+  index_path = out_dir / f"{prefix}.safetensors.index.json"
+  stale = [out_dir / f"{prefix}.safetensors"]
+  if index_path.exists():
+    try:
+      stale += [out_dir / name for name in set(read_json(index_path).get("weight_map", {}).values())
+                if isinstance(name, str) and "/" not in name]
+    except CheckpointError:
+      pass  # an unreadable index: it goes, and the shards it might name are overwritten or left unnamed
+    index_path.unlink()
+  for path in stale:
+    path.unlink(missing_ok=True)
   store = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   shards: list[dict] = [{}]
   sizes = [0]

@@ -145,7 +145,9 @@ def main(argv=None) -> int:
 def _export_target(model: kimi.KimiModel, directory, args) -> None:
   loading.save_kimi(model, directory)
   if getattr(args, "tokenizer", None):
-    shutil.copyfile(args.tokenizer, Path(directory) / "tokenizer.json")
+    destination = Path(directory) / "tokenizer.json"
+    if not (destination.exists() and destination.samefile(args.tokenizer)):  # --tokenizer may already be there
+      shutil.copyfile(args.tokenizer, destination)
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(EXPORT_TOKENIZER_CONFIG, indent=1) + "\n")
 
 

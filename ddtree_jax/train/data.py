@@ -208,6 +208,12 @@ def build_corpus(
   vocab_size = tokenizer.get_vocab_size()
   if vocab_size > np.iinfo(np.uint16).max + 1:
     raise ValueError(f"vocab size {vocab_size} does not fit uint16 shards")
+  if shard_tokens < 1:  # a shard would take no tokens, and the writer would write empty ones forever
+    raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+  if not 0 <= held_out_fraction < 1:
+    raise ValueError(f"held_out_fraction must lie in [0, 1), got {held_out_fraction}")
+  if not files:
+    raise ValueError("no source files to build a corpus from (check the roots)")
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   if any(out_dir.iterdir()):
@@ -387,7 +393,11 @@ def main_corpus(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--shard-tokens", type=int, default=4_000_000)
   _add_source_args(parser)
   args = parser.parse_args(argv)
+  if args.shard_tokens < 1:
+    parser.error(f"--shard-tokens must be positive, got {args.shard_tokens}")
   files = _collect(args)
+  if not files:
+    raise SystemExit("error: the roots hold no usable .py files: nothing to build a corpus from")
   began = time.perf_counter()
   manifest = build_corpus(files, tokenizer_lib.load_tokenizer(args.tokenizer), args.out,
                           args.held_out_fraction, args.shard_tokens)
@@ -406,6 +416,11 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _collect(args: argparse.Namespace) -> list[SourceFile]:
+  missing = [root for root in args.root or () if not Path(root).is_dir()]
+  if missing:  # os.walk of a missing path yields nothing: a mistyped root would build an empty corpus
+    raise SystemExit(f"error: --root {missing[0]} is not a directory")
+  if not 0 <= args.held_out_fraction < 1:
+    raise SystemExit(f"error: --held-out-fraction must lie in [0, 1), got {args.held_out_fraction}")
   began = time.perf_counter()
   files = collect_python_files(args.root or python_source_roots(), args.max_files, args.max_bytes)
   print(f"collected {len(files)} files ({sum(f.num_bytes for f in files):,} bytes) in "

@@ -226,6 +226,31 @@ def test_build_refuses_a_non_empty_directory(corpus, files, tok):
     D.build_corpus(files, tok, corpus)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"shard_tokens": 0}, "shard_tokens must be positive, got 0"),  # wrote empty shards until the disk filled
+    ({"held_out_fraction": 1.0}, r"held_out_fraction must lie in \[0, 1\), got 1.0"),
+])
+def test_build_refuses_settings_that_cannot_make_a_corpus(files, tok, tmp_path, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    D.build_corpus(files, tok, tmp_path / "corpus", **kwargs)
+  with pytest.raises(ValueError, match="no source files"):
+    D.build_corpus([], tok, tmp_path / "empty")
+  assert not any((tmp_path / "corpus").glob("*.npy"))
+
+
+def test_corpus_command_names_a_missing_root_and_a_bad_shard_size(tokenizer_path, tmp_path, capsys):
+  """A mistyped --root used to walk nothing and build an empty corpus; --shard-tokens 0 never ended."""
+  base = ["--tokenizer", str(tokenizer_path), "--out", str(tmp_path / "c")]
+  with pytest.raises(SystemExit, match=f"--root {tmp_path / 'nope'} is not a directory"):
+    D.main_corpus(base + ["--root", str(tmp_path / "nope")])
+  with pytest.raises(SystemExit):
+    D.main_corpus(base + ["--root", str(tmp_path), "--shard-tokens", "0"])
+  assert "--shard-tokens must be positive, got 0" in capsys.readouterr().err
+  with pytest.raises(SystemExit, match="no usable .py files"):
+    D.main_corpus(base + ["--root", str(tmp_path)])  # a directory without sources
+  assert not (tmp_path / "c").exists()
+
+
 # Reading the corpus.
 
 

@@ -3,6 +3,7 @@ no model is built from part of a checkpoint (tiny target, float32 safetensors wr
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,6 +96,33 @@ def test_unreadable_files_are_named(tmp_path, tensors):
   (tmp_path / "config.json").write_text(json.dumps(dict(CFG.to_hf(), torch_dtype="float32")))
   with pytest.raises(FileNotFoundError, match=f"checkpoint shard .*{shards[0].name} is missing"):
     loading.load_kimi(tmp_path)
+
+
+def test_an_interrupted_export_over_an_earlier_one_is_refused_not_mixed(tmp_path, tensors, monkeypatch):
+  """Re-exporting into a checkpoint directory: the old index and shards go first and the new index
+  comes last, so an export stopped after its first shard cannot load as old weights mixed with new."""
+  write(tmp_path, tensors, CFG.to_hf())  # an earlier export, several shards
+  assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+  newer = {name: value + 1 for name, value in tensors.items()}
+  real_save, written = loading.save_file, []
+
+  def save_then_stop(shard, path, **kwargs):
+    real_save(shard, path, **kwargs)
+    written.append(path)
+    if len(written) == 1:
+      raise KeyboardInterrupt  # Ctrl-C after the first new shard
+  monkeypatch.setattr(loading, "save_file", save_then_stop)
+  with pytest.raises(KeyboardInterrupt):
+    loading.write_sharded(newer.items(), tmp_path, dtype="float32", max_shard_bytes=50_000)
+  assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [Path(written[0]).name]
+  with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor model.safetensors"):
+    loading.load_kimi(tmp_path)
+  monkeypatch.setattr(loading, "save_file", real_save)
+  write(tmp_path, newer, CFG.to_hf(), max_shard_bytes=50_000)  # finished this time: the new weights alone
+  loaded = dict(hf_io.iter_hf_tensors(loading.load_kimi(tmp_path, dtype="float32", param_dtype="float32")))
+  np.testing.assert_array_equal(loaded["model.norm.weight"], newer["model.norm.weight"])
+  assert len(list(tmp_path.glob("model-*.safetensors"))) == len(set(json.loads(
+      (tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()))  # no stale shards
 
 
 def test_a_deliberately_smaller_model_and_tied_heads_still_load(tmp_path, tensors):
