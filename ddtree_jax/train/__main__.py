@@ -164,13 +164,30 @@ def _check_tokenizer(args, parser) -> None:
     parser.error(f"--tokenizer {args.tokenizer} is not the tokenizer {args.corpus} was built with")
 
 
+def _train_configs(args, parser) -> tuple[loop.TrainConfig, loop.TrainConfig | None]:
+  """The run's TrainConfig (and demo's drafter's), checked before anything trains: a drafter setting
+  refused only after the target's run would waste it."""
+  try:
+    tc = _tc(args)
+  except ValueError as err:
+    parser.error(f"{err} (flags --steps, --batch-size, --seq-len, --lr, --warmup)")
+  if args.command != "demo":
+    return tc, None
+  try:
+    return tc, _tc(args, prefix="drafter_")
+  except ValueError as err:
+    parser.error(f"the drafter's {err} (flags --drafter-steps, --drafter-batch-size, --drafter-seq-len, "
+                 "--drafter-lr, --drafter-warmup)")
+
+
 def _run(args, argv, parser) -> int:
   _check_tokenizer(args, parser)  # before --out exists: a refused command leaves nothing behind
+  tc, drafter_tc = _train_configs(args, parser)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.perf_counter()
   if args.command == "target":
-    model, summary = run_target(args, _tc(args), out)
+    model, summary = run_target(args, tc, out)
     if args.export:
       _export_target(model, args.export, args)
     print(json.dumps(summary))
@@ -179,16 +196,19 @@ def _run(args, argv, parser) -> int:
     target = loading.load_kimi(target_dir, dtype="bfloat16", param_dtype="float32")
     tokenizer_file = target_dir / "tokenizer.json"
     target_tokenizer = tokenizer_lib.load_tokenizer(tokenizer_file) if tokenizer_file.exists() else None
-    model, summary = run_drafter(args, target, _tc(args), out, args.mask_token_id, target_tokenizer)
+    model, summary = run_drafter(args, target, tc, out, args.mask_token_id, target_tokenizer)
     if args.export:
       loading.save_dflash(model, args.export)
     print(json.dumps(summary))
   else:
-    target, target_summary = run_target(args, _tc(args), out)
+    target, target_summary = run_target(args, tc, out)
+    if target_summary["steps"] < tc.steps:  # --max-seconds ran out: the drafter must learn the finished target
+      print(f"the target stopped at step {target_summary['steps']} of {tc.steps} (--max-seconds); nothing is "
+            "exported and the drafter does not train yet: run the same command again to resume", file=sys.stderr)
+      return 2
     _export_target(target, out / args.name, args)
     # The drafter learns the target as it is served: its bf16 export, not the float32 weights in memory.
     target = loading.load_kimi(out / args.name, dtype="bfloat16", param_dtype="float32")
-    drafter_tc = _tc(args, prefix="drafter_")
     drafter, drafter_summary = run_drafter(args, target, drafter_tc, out, args.mask_token_id)
     loading.save_dflash(drafter, out / f"{args.name}-dflash")
     summary = {"target": target_summary, "drafter": drafter_summary, "wall_s": time.perf_counter() - t0,

@@ -361,3 +361,24 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
                     str(exported / "tokenizer.json")])
   assert exit_info.value.code == 2 and "is not the tokenizer" in capsys.readouterr().err
   assert not (tmp_path / "t").exists()  # refused before the run directory is made
+
+
+def test_demo_checks_the_drafter_settings_first_and_trains_no_drafter_on_an_unfinished_target(corpus, tmp_path,
+                                                                                                capsys):
+  """A drafter setting that cannot run is refused before the target trains (--drafter-warmup's
+  default 100 against --drafter-steps 2 used to surface after the target's whole run), and a target
+  stopped by --max-seconds is neither exported nor given a drafter (one trained against it would
+  stay beside the finished target that a later run exports)."""
+  from ddtree_jax.train import __main__ as train_cli
+  out = tmp_path / "demo"
+  demo = ["demo", "--preset", "tiny", "--corpus", str(corpus), "--out", str(out), "--steps", "2", "--warmup", "0",
+          "--batch-size", "2", "--seq-len", "32", "--drafter-steps", "2", "--drafter-batch-size", "2",
+          "--drafter-seq-len", "48", "--anchors", "2", "--no-progress"]
+  with pytest.raises(SystemExit):
+    train_cli.main(demo)
+  assert "the drafter's TrainConfig.warmup_steps=100 must lie in [0, steps=2]" in capsys.readouterr().err
+  assert not out.exists()
+  assert train_cli.main(demo + ["--drafter-warmup", "0", "--max-seconds", "0"]) == 2  # stops after one step
+  assert "the target stopped at step 1 of 2" in capsys.readouterr().err
+  assert not (out / "kimi-demo").exists() and not (out / "kimi-demo-dflash").exists()
+  assert not (out / "drafter_checkpoints").exists()
