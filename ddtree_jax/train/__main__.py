@@ -26,10 +26,12 @@ from models import dflash, kimi, loading
 from models.config import KimiConfig
 
 # Presets by the corpus's vocabulary size: the demo keeps its 8192 (the shipped tokenizer's), the
-# tiny model takes the corpus's (any tokenizer trained here has more than its 256 bytes).
+# tiny model takes the corpus's (any tokenizer trained here has more than its 256 bytes). BOS and
+# EOS are <|endoftext|>, id 0 in every tokenizer trained here, as in the demo preset (tiny's own
+# 1 and 2 are <|mask|> and <|im_system|> there: an export would stop at a turn marker).
 TARGET_PRESETS = {"demo": lambda vocab_size: KimiConfig.demo(),
                   "tiny": lambda vocab_size: KimiConfig.tiny(vocab_size=vocab_size, dtype="bfloat16",
-                                                             param_dtype="float32")}
+                                                             param_dtype="float32", bos_token_id=0, eos_token_id=0)}
 # What a tokenizer trained here needs beside tokenizer.json to serve: documents start with
 # <|endoftext|> in the corpus, so prompts do too.
 EXPORT_TOKENIZER_CONFIG = {"add_bos_token": True, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}

@@ -323,6 +323,9 @@ def test_training_commands_check_the_corpus_against_the_model_and_its_tokenizer(
   from serve.text import TextCodec
   vocab = D.read_manifest(corpus)["vocab_size"]
   assert train_cli.TARGET_PRESETS["tiny"](vocab).vocab_size == vocab > KimiConfig.tiny().vocab_size
+  end = T.special_token_id(T.load_tokenizer(tokenizer_path), "<|endoftext|>")
+  tiny = train_cli.TARGET_PRESETS["tiny"](vocab)
+  assert tiny.bos_token_id == tiny.eos_token_id == end  # not <|mask|> / <|im_system|>, tiny's own 1 and 2
   drafter = ["drafter", "--corpus", str(corpus), "--out", str(tmp_path / "run"), "--steps", "2", "--warmup", "0",
              "--no-progress", "--target"]
   small = tmp_path / "small"
