@@ -15,6 +15,7 @@ differ at all.
 """
 
 import argparse
+import math
 import sys
 
 import jax
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
                            "(int4) or dequantised on load (dense)")
   args = parser.parse_args(argv)
   for name, ok in (("--budget", args.budget >= 0), ("--max-new-tokens", args.max_new_tokens > 0),
-                   ("--temperature", args.temperature >= 0), ("--top-p", 0 < args.top_p <= 1),
+                   ("--temperature", 0 <= args.temperature < math.inf), ("--top-p", 0 < args.top_p <= 1),
                    ("--seed", 0 <= args.seed < 2**32)):
     if not ok:
       parser.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")

@@ -370,11 +370,15 @@ def held_out_prompts(
 
 def main_tokenizer(argv: Sequence[str] | None = None) -> None:
   """Trains the tokenizer on the train split of the collected sources."""
-  parser = argparse.ArgumentParser(description=main_tokenizer.__doc__)
+  parser = argparse.ArgumentParser(prog="python -m ddtree_jax.train tokenizer", description=main_tokenizer.__doc__)
   parser.add_argument("--out", required=True, help="tokenizer.json path to write")
   parser.add_argument("--vocab-size", type=int, default=8192)
   _add_source_args(parser)
   args = parser.parse_args(argv)
+  if not Path(args.out).parent.is_dir():  # found only after training otherwise
+    parser.error(f"--out {args.out}: its directory does not exist")
+  if args.vocab_size < 1 or args.vocab_size > np.iinfo(np.uint16).max + 1:  # a corpus stores ids as uint16
+    parser.error(f"--vocab-size must lie in [1, 65536], got {args.vocab_size}")
   files = _collect(args)
   # Held-out files stay unseen by the tokenizer too.
   train = [f for f in files if split_of(f.sha256, args.held_out_fraction) == TRAIN]
@@ -387,7 +391,7 @@ def main_tokenizer(argv: Sequence[str] | None = None) -> None:
 
 def main_corpus(argv: Sequence[str] | None = None) -> None:
   """Tokenizes the collected sources into a corpus directory."""
-  parser = argparse.ArgumentParser(description=main_corpus.__doc__)
+  parser = argparse.ArgumentParser(prog="python -m ddtree_jax.train corpus", description=main_corpus.__doc__)
   parser.add_argument("--tokenizer", required=True, help="tokenizer.json path")
   parser.add_argument("--out", required=True, help="corpus directory to create")
   parser.add_argument("--shard-tokens", type=int, default=4_000_000)
@@ -395,6 +399,8 @@ def main_corpus(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.shard_tokens < 1:
     parser.error(f"--shard-tokens must be positive, got {args.shard_tokens}")
+  if not Path(args.tokenizer).is_file():
+    parser.error(f"--tokenizer {args.tokenizer} is not a file")
   files = _collect(args)
   if not files:
     raise SystemExit("error: the roots hold no usable .py files: nothing to build a corpus from")

@@ -75,6 +75,7 @@ def test_near_tie_report_cuts_the_reference_at_the_stop_and_catches_a_short_stre
     (["--experts", "fp8"], "argument --experts: invalid choice: 'fp8'"),
     (["--budget", "-1"], "--budget out of range: -1"),
     (["--top-p", "0"], "--top-p out of range: 0.0"),
+    (["--temperature", "inf"], "--temperature out of range: inf"),  # once refused only after compiling
     (["--seed", "-1"], "--seed out of range: -1"),
 ])
 def test_bad_arguments_are_refused_by_name(capsys, args, message):

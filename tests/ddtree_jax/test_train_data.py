@@ -249,6 +249,14 @@ def test_corpus_command_names_a_missing_root_and_a_bad_shard_size(tokenizer_path
   with pytest.raises(SystemExit, match="no usable .py files"):
     D.main_corpus(base + ["--root", str(tmp_path)])  # a directory without sources
   assert not (tmp_path / "c").exists()
+  with pytest.raises(SystemExit):
+    D.main_corpus(["--tokenizer", str(tmp_path / "none.json"), "--out", str(tmp_path / "c"), "--root", str(tmp_path)])
+  assert f"--tokenizer {tmp_path / 'none.json'} is not a file" in capsys.readouterr().err
+  for bad, message in ((["--out", str(tmp_path / "no" / "tok.json")], "its directory does not exist"),
+                       (["--out", str(tmp_path / "tok.json"), "--vocab-size", "-5"], "--vocab-size must lie in")):
+    with pytest.raises(SystemExit):
+      D.main_tokenizer(bad + ["--root", str(tmp_path)])
+    assert message in capsys.readouterr().err
 
 
 # Reading the corpus.
