@@ -23,7 +23,7 @@ from flax import nnx
 from ddtree_jax.train import data, loop
 from ddtree_jax.train import tokenizer as tokenizer_lib
 from models import dflash, kimi, loading
-from models.config import KimiConfig
+from models.config import ConfigError, KimiConfig
 
 # Presets by the corpus's vocabulary size: the demo keeps its 8192 (the shipped tokenizer's), the
 # tiny model takes the corpus's (any tokenizer trained here has more than its 256 bytes). BOS and
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   try:
     return _run(args, argv, parser)
-  except (FloatingPointError, loop.RunMismatch) as err:  # a diverged run, or a resume with other settings
-    print(f"error: {err}", file=sys.stderr)
+  except (FloatingPointError, loop.RunMismatch, ConfigError) as err:  # a diverged run, a resume with other
+    print(f"error: {err}", file=sys.stderr)  # settings, or a model setting (e.g. --mask-token-id) refused
     return 1
 
 
@@ -182,8 +182,22 @@ def _train_configs(args, parser) -> tuple[loop.TrainConfig, loop.TrainConfig | N
                  "--drafter-lr, --drafter-warmup)")
 
 
+def _check_inputs(args, parser) -> None:
+  """The corpus and (for ``drafter``) the target exist, before --out does."""
+  if not (Path(args.corpus) / "manifest.json").is_file():
+    parser.error(f"--corpus {args.corpus}: no corpus there (no manifest.json; build one with "
+                 "`python -m ddtree_jax.train corpus`)")
+  if args.command == "drafter":
+    try:
+      loading.resolve_model_dir(args.target)
+    except FileNotFoundError as err:
+      parser.error(f"--target: {err}")
+
+
 def _run(args, argv, parser) -> int:
-  _check_tokenizer(args, parser)  # before --out exists: a refused command leaves nothing behind
+  # Before --out exists: a refused command leaves nothing behind.
+  _check_inputs(args, parser)
+  _check_tokenizer(args, parser)
   tc, drafter_tc = _train_configs(args, parser)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -405,8 +405,11 @@ def main_corpus(argv: Sequence[str] | None = None) -> None:
   if not files:
     raise SystemExit("error: the roots hold no usable .py files: nothing to build a corpus from")
   began = time.perf_counter()
-  manifest = build_corpus(files, tokenizer_lib.load_tokenizer(args.tokenizer), args.out,
-                          args.held_out_fraction, args.shard_tokens)
+  try:
+    manifest = build_corpus(files, tokenizer_lib.load_tokenizer(args.tokenizer), args.out,
+                            args.held_out_fraction, args.shard_tokens)
+  except (FileExistsError, ValueError) as err:  # a non-empty --out, or a tokenizer too large for uint16
+    raise SystemExit(f"error: {err}") from None
   print(f"built {args.out} in {time.perf_counter() - began:.1f}s")
   for split, info in manifest["splits"].items():
     print(f"  {split}: {info['files']} files, {info['bytes']:,} bytes, {info['num_tokens']:,} "

@@ -393,3 +393,17 @@ def test_demo_checks_the_drafter_settings_first_and_trains_no_drafter_on_an_unfi
   assert "the target stopped at step 1 of 2" in capsys.readouterr().err
   assert not (out / "kimi-demo").exists() and not (out / "kimi-demo-dflash").exists()
   assert not (out / "drafter_checkpoints").exists()
+
+
+def test_training_commands_name_a_missing_corpus_or_target_before_creating_out(corpus, tmp_path, capsys):
+  from ddtree_jax.train import __main__ as train_cli
+  out = tmp_path / "run"
+  for argv, message in (
+      (["target", "--corpus", str(tmp_path / "nowhere")], f"--corpus {tmp_path / 'nowhere'}: no corpus there"),
+      (["drafter", "--corpus", str(corpus), "--target", str(tmp_path / "no_model")], "--target: no model directory"),
+      (["target", "--corpus", str(corpus), "--steps", "10"],  # --warmup's default 100 > 10 steps
+       "TrainConfig.warmup_steps=100 must lie in [0, steps=10] (flags --steps")):
+    with pytest.raises(SystemExit):
+      train_cli.main(argv + ["--out", str(out), "--no-progress"])
+    assert message in capsys.readouterr().err, argv
+    assert not out.exists()
