@@ -67,12 +67,21 @@ def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], out_dir, *, dtype: 
     sizes[-1] += value.nbytes
   names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   weight_map = {}
+  mode = _new_file_mode()
   for file_name, shard in zip(names, shards):
     save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+    os.chmod(out_dir / file_name, mode)  # safetensors writes 0600; the other files of a checkpoint are not
     weight_map.update({name: file_name for name in shard})
   index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
   (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
   return names
+
+
+def _new_file_mode() -> int:
+  """The mode a newly created file gets (0666 less the umask), as ``open`` gives config.json."""
+  umask = os.umask(0)
+  os.umask(umask)
+  return 0o666 & ~umask
 
 
 class CheckpointError(ValueError):

@@ -123,6 +123,9 @@ def test_an_interrupted_export_over_an_earlier_one_is_refused_not_mixed(tmp_path
   np.testing.assert_array_equal(loaded["model.norm.weight"], newer["model.norm.weight"])
   assert len(list(tmp_path.glob("model-*.safetensors"))) == len(set(json.loads(
       (tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()))  # no stale shards
+  # Shards readable as the index is (safetensors itself writes 0600: another user could not serve them).
+  index_mode = (tmp_path / "model.safetensors.index.json").stat().st_mode & 0o777
+  assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("model-*.safetensors")} == {index_mode}
 
 
 def test_a_deliberately_smaller_model_and_tied_heads_still_load(tmp_path, tensors):
