@@ -79,7 +79,10 @@ def main(argv=None) -> int:
     target = loading.load_kimi(model_dir, dtype=args.dtype, param_dtype=args.dtype,
                                **expert_format_overrides(args.experts), attention_impl=args.attention_impl, moe_impl=args.moe_impl)
     draft = loading.load_dflash(args.drafter, dtype=args.dtype, param_dtype=args.dtype)
-    drafter_params = dflash.DFlashDrafter.params(draft, target)  # refuses a drafter of another target
+    try:
+      drafter_params = dflash.DFlashDrafter.params(draft, target)  # refuses a drafter of another target
+    except ValueError as err:
+      raise ValueError(f"--drafter {args.drafter} does not fit --model {args.model}: {err}") from None
     # The server's text handling: tokenizer.json or Kimi's tiktoken.model, the BOS its config asks for.
     codec = TextCodec.from_model_dir(model_dir, eos_token_id=target.cfg.eos_token_id, chat=False)
     prompt = codec.completion_prompt(args.prompt)

@@ -68,6 +68,16 @@ def test_near_tie_report_cuts_the_reference_at_the_stop_and_catches_a_short_stre
           "logit margin is 0.5: a near tie (< 1.0 in float32), allowed") in capsys.readouterr().out
 
 
+def test_a_drafter_of_another_target_names_both_flags(tmp_path, capsys):
+  from models import kimi, loading
+  from models.config import KimiConfig
+  loading.save_kimi(kimi.init_model(KimiConfig.tiny(), seed=0), tmp_path / "tiny")
+  with pytest.raises(SystemExit) as exit_info:
+    generate.main(["--model", str(tmp_path / "tiny"), "--prompt", "x"])  # the default drafter is the demo's
+  assert exit_info.value.code == 2
+  assert f"--drafter kimi-demo-dflash does not fit --model {tmp_path / 'tiny'}: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--moe-impl", "pallas"], "moe_impl='pallas' runs a Mosaic GPU kernel and needs a GPU backend, not 'cpu'"),
     (["--attention-impl", "pallas"], "attention_impl='pallas' runs a Mosaic GPU kernel and needs a GPU backend"),
