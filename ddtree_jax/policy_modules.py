@@ -69,7 +69,7 @@ def load_policy_module(source: str) -> tuple:
       except BaseException:
         del sys.modules[module_name]
         raise
-  except Exception as err:
+  except (Exception, SystemExit) as err:  # a module that calls sys.exit() on import must not end the server
     # A half-imported module's policies go, and any it replaced (replace=True) come back.
     policies._POLICIES.clear()  # pylint: disable=protected-access
     policies._POLICIES.update(registry)  # pylint: disable=protected-access

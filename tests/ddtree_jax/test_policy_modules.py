@@ -62,6 +62,7 @@ def test_a_dotted_module_registers_its_policies_also_when_imported_before(tmp_pa
 @pytest.mark.parametrize("body,message", [
     (None, "no such file"),
     ("raise RuntimeError('bad import')", "failed to import: RuntimeError: bad import"),
+    ("import sys\nsys.exit('bye')", "failed to import: SystemExit: bye"),  # it used to end the process
     ("x = 1", "registered no policy"),
     (POLICY_FILE.format(name="chain"), "failed to import: ValueError: policy 'chain' is already registered"),
 ])
