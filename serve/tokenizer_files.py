@@ -191,10 +191,16 @@ class KimiTiktokenTokenizer:
     self.special_spellings = tuple(name for name, i in self.special_ids.items() if i not in self._text_ids)
 
   def encode(self, text: str) -> list[int]:
-    if self._text_re is None:
-      return self._encode_literal(text)
+    return self._encode_literal(text) if self._text_re is None else self._encode_around(self._text_re, text)
+
+  def encode_parsing_special(self, text: str) -> list[int]:
+    return self._encode_around(self._special_re, text)
+
+  def _encode_around(self, names: re.Pattern, text: str) -> list[int]:
+    # The named tokens first, then the text between them in pieces: a cut of the long-run rule
+    # must never fall inside a marker (tokenizers split on added tokens first too).
     ids, start = [], 0
-    for match in self._text_re.finditer(text):
+    for match in names.finditer(text):
       ids += self._encode_literal(text[start:match.start()])
       ids.append(self.special_ids[match.group()])
       start = match.end()
@@ -202,16 +208,6 @@ class KimiTiktokenTokenizer:
 
   def _encode_literal(self, text: str) -> list[int]:
     return [i for piece in _pieces(text) for i in self.encoding.encode(piece, disallowed_special=())]
-
-  def encode_parsing_special(self, text: str) -> list[int]:
-    # Special spellings first, then the text between them in pieces: a cut of the long-run rule
-    # must never fall inside a marker (tokenizers split on added tokens first too).
-    ids, start = [], 0
-    for match in self._special_re.finditer(text):
-      ids += self._encode_literal(text[start:match.start()])
-      ids.append(self.special_ids[match.group()])
-      start = match.end()
-    return ids + self._encode_literal(text[start:])
 
   def decode(self, ids: Sequence[int]) -> str:
     # tiktoken decodes bytes with errors="replace": an incomplete UTF-8 tail shows as U+FFFD, which
